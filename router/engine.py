@@ -1,0 +1,103 @@
+"""The batching loop: one step at a time, in the same asyncio loop as the HTTP server.
+
+Each step: retire finished or cancelled requests (FilterBatch), let the scheduler decide what runs, send it to
+every shard (Prefill when prompt tokens are in it, else Decode), and hand each sampled token to its job.
+"""
+import asyncio
+import logging
+
+from proto import generate_pb2 as pb
+from router.job import Job
+from router.scheduler import Entry, Scheduler
+from router.shards import ShardError, Shards
+
+log = logging.getLogger("router")
+
+
+class Engine:
+    def __init__(self, shards: Shards, scheduler: Scheduler):
+        self.shards = shards
+        self.scheduler = scheduler
+        self.jobs: dict[int, Job] = {}
+        self.wake = asyncio.Event()
+        self.to_filter: list[int] = []
+        self.steps = 0
+
+    def submit(self, job: Job) -> None:
+        self.jobs[job.id] = job
+        self.scheduler.add(job.request)
+        self.wake.set()
+
+    def cancel(self, job: Job) -> None:
+        """Marks a job whose client went away; it leaves the batch at the start of the next step."""
+        if job.finish_reason is None:
+            job.cancelled = True
+            self.wake.set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    async def run(self) -> None:
+        while True:
+            await self._retire()
+            if not self.busy:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            step = self.scheduler.schedule()
+            if step.preempted:
+                log.info("preempted %d request(s) to free KV blocks: %s", len(step.preempted),
+                         [r.id for r in step.preempted])
+                self.to_filter.extend(r.id for r in step.preempted)
+                await self._retire()
+            if not step.entries:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                resp = await self.shards.step(step.has_prefill, [self._entry(e) for e in step.entries])
+            except ShardError as e:
+                await self._fail_all(str(e))
+                continue
+            self.steps += 1
+            for g in resp.generations:
+                job = self.jobs.get(g.id)
+                if job is not None and job.finish_reason is None:
+                    job.on_token(g.token_id, g.logprob)
+
+    def _entry(self, e: Entry) -> pb.StepEntry:
+        job = self.jobs[e.request.id]
+        return pb.StepEntry(
+            id=e.request.id, input_ids=e.request.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
+            sample=e.sample, cached_tokens=e.start, parameters=job.parameters if e.first else None,
+        )
+
+    async def _retire(self) -> None:
+        for job in list(self.jobs.values()):
+            if job.finish_reason is not None or job.cancelled:
+                self.scheduler.finish(job.request)
+                self.to_filter.append(job.id)
+                del self.jobs[job.id]
+                if job.cancelled and job.finish_reason is None:
+                    log.info("request %d cancelled by its client", job.id)
+        if self.to_filter:
+            ids, self.to_filter = self.to_filter, []
+            try:
+                await self.shards.filter(ids)
+            except ShardError as e:
+                await self._fail_all(str(e))
+
+    async def _fail_all(self, message: str) -> None:
+        """A failed step poisons every running batch: fail the affected jobs and clear every shard."""
+        log.error("step failed: %s", message)
+        for job in list(self.jobs.values()):
+            if job.request in self.scheduler.running:
+                job.fail(message)
+                self.scheduler.finish(job.request)
+                del self.jobs[job.id]
+        self.to_filter = []
+        try:
+            await self.shards.clear()
+        except ShardError as e:
+            log.error("clearing the shards failed too: %s", e)

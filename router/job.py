@@ -1,0 +1,63 @@
+"""What the router knows about a request beyond scheduling: sampling, stopping, text, timings, its stream."""
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from proto import generate_pb2 as pb
+from router.detokenizer import Detokenizer
+from router.request import Request
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass
+class Job:
+    request: Request
+    parameters: pb.SamplingParameters
+    detokenizer: Detokenizer
+    eos_ids: frozenset
+    special_ids: frozenset
+    seed: Optional[int] = None
+    tokens: list[Token] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finish_reason: Optional[str] = None
+    cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+    first_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    def on_token(self, token_id: int, logprob: float) -> None:
+        """Records a sampled token, decides whether the request is finished, and streams the token."""
+        req = self.request
+        req.generated.append(token_id)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        piece = self.detokenizer.add(token_id)
+        token = Token(token_id, piece, logprob, token_id in self.special_ids)
+        self.tokens.append(token)
+        if token_id in self.eos_ids:
+            self.finish_reason = "eos_token"
+        elif self.detokenizer.stopped(piece):
+            self.finish_reason = "stop_sequence"
+        elif req.is_done_generating:
+            self.finish_reason = "length"
+        self.events.put_nowait(("token", token))
+        if self.finish_reason:
+            self.finished_at = time.monotonic()
+            self.events.put_nowait(("end", self))
+
+    def fail(self, message: str) -> None:
+        self.finish_reason = "error"
+        self.finished_at = time.monotonic()
+        self.events.put_nowait(("error", message))

@@ -1,0 +1,168 @@
+"""Decides, every step, which tokens of which requests run: TGI's budgeted loop, at token granularity.
+
+Order of a step: every running decode gets one token (and a block when its last one is full); running
+prompts that were chunked continue; then waiting requests are admitted in arrival order while the prefill
+budget, the total-token budget, the KV blocks and max_batch_size allow. A prompt larger than the prefill
+budget left is chunked. With requests already running, new ones are admitted only when enough are waiting
+(waiting_served_ratio) or they have waited max_waiting_tokens steps, as TGI does. When a running request
+cannot get its next block, the newest running request that is not scheduled yet is preempted: its blocks
+are freed and it goes back to the head of the queue with its generated tokens as part of its prompt.
+
+Pure Python: no torch, no grpc.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from router.block_table import BlockTable
+from router.request import Request, State
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+
+
+@dataclass
+class Entry:
+    """One request's share of a step: tokens[start:start + num_tokens], blocks appended first."""
+    request: Request
+    start: int
+    num_tokens: int
+    new_blocks: list[int]
+    sample: bool
+    first: bool
+    decode: bool
+
+
+@dataclass
+class Step:
+    entries: list[Entry] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if not e.decode)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(not e.decode for e in self.entries)
+
+
+class Scheduler:
+    def __init__(self, budget: Budget, blocks: BlockTable):
+        self.budget = budget
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.steps_since_admission = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(r.computed for r in self.running)
+
+    def schedule(self) -> Step:
+        step = Step()
+        held = self.held_tokens
+        scheduled: set[int] = set()
+        for req in list(self.running):
+            if req.state is not State.RUNNING or not req.is_decoding or req.id in scheduled:
+                continue
+            if not self._make_room(req, 1, scheduled, step):
+                continue
+            self._schedule(step, req, 1, scheduled)
+            held += 1
+        prefill_left = self.budget.max_batch_prefill_tokens
+        for req in list(self.running):
+            if req.state is not State.RUNNING or req.is_decoding or req.id in scheduled:
+                continue
+            n = self._fit(req, prefill_left, self.budget.max_batch_total_tokens - held)
+            if n == 0:
+                continue
+            self._schedule(step, req, n, scheduled)
+            prefill_left -= n
+            held += n
+        admitted = self._admit(step, scheduled, prefill_left, held)
+        self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
+        return step
+
+    def _admit(self, step: Step, scheduled: set[int], prefill_left: int, held: int) -> int:
+        """Plans admissions without touching anything, then commits them only if they are worth it."""
+        plan: list[tuple[Request, int]] = []
+        free = self.blocks.num_free
+        slots = self.budget.max_batch_size - len(self.running)
+        for req in self.waiting:
+            if slots <= 0 or prefill_left <= 0:
+                break
+            n = min(req.remaining, prefill_left, self.budget.max_batch_total_tokens - held)
+            n = min(n, free * self.blocks.block_size)
+            if n <= 0:
+                break
+            plan.append((req, n))
+            free -= self.blocks.blocks_for(n)
+            prefill_left -= n
+            held += n
+            slots -= 1
+            if n < req.remaining:
+                break
+        if self.running and self.steps_since_admission < self.budget.max_waiting_tokens:
+            if len(plan) < int(len(self.running) * self.budget.waiting_served_ratio):
+                return 0
+        for req, n in plan:
+            self.waiting.remove(req)
+            req.state = State.RUNNING
+            self.running.append(req)
+            self._schedule(step, req, n, scheduled)
+        return len(plan)
+
+    def _fit(self, req: Request, prefill_left: int, total_left: int) -> int:
+        n = min(req.remaining, prefill_left, total_left)
+        free_tokens = self.blocks.num_free * self.blocks.block_size
+        room_in_last = len(req.blocks) * self.blocks.block_size - req.computed
+        return max(0, min(n, free_tokens + room_in_last))
+
+    def _schedule(self, step: Step, req: Request, n: int, scheduled: set[int]) -> None:
+        extra = self.blocks.extra_blocks(len(req.blocks), req.computed + n)
+        new_blocks = self.blocks.allocate(extra)
+        req.blocks.extend(new_blocks)
+        first = req.computed == 0
+        sample = req.computed + n == req.num_tokens
+        step.entries.append(Entry(req, req.computed, n, new_blocks, sample, first, req.is_decoding))
+        req.computed += n
+        scheduled.add(req.id)
+
+    def _make_room(self, req: Request, n: int, scheduled: set[int], step: Step) -> bool:
+        """Preempts the newest unscheduled running requests until `req` can grow by n tokens."""
+        while self.blocks.extra_blocks(len(req.blocks), req.computed + n) > self.blocks.num_free:
+            victims = [r for r in self.running if r.id not in scheduled and r is not req]
+            if not victims:
+                return False
+            self.preempt(max(victims, key=lambda r: r.arrival), step)
+        return True
+
+    def preempt(self, req: Request, step: Step) -> None:
+        """Soft reset: free the blocks, keep the tokens, requeue at the head of the queue."""
+        self.running.remove(req)
+        self.blocks.free(req.blocks)
+        req.blocks = []
+        req.computed = 0
+        req.preemptions += 1
+        req.state = State.WAITING
+        self.waiting.appendleft(req)
+        step.preempted.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Retires a request (finished or cancelled) and returns its blocks to the pool."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.blocks)
+        req.blocks = []
+        req.state = State.FINISHED

@@ -1,0 +1,59 @@
+"""The router's client to the shards: every call goes to every rank at once; rank 0's answer is the answer."""
+import asyncio
+
+import grpc
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+
+
+class ShardError(Exception):
+    pass
+
+
+class Shards:
+    def __init__(self, sockets: list[str]):
+        opts = [("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20)]
+        self.channels = [grpc.aio.insecure_channel(f"unix://{s}", options=opts) for s in sockets]
+        self.stubs = [pb_grpc.ShardStub(c) for c in self.channels]
+
+    async def _all(self, method: str, request):
+        calls = [getattr(stub, method)(request) for stub in self.stubs]
+        try:
+            answers = await asyncio.gather(*calls)
+        except grpc.aio.AioRpcError as e:
+            for c in calls:
+                c.cancel()
+            raise ShardError(f"{method}: {e.code().name}: {e.details()}") from e
+        return answers[0]
+
+    async def info(self) -> pb.InfoResponse:
+        return await self._all("Info", pb.InfoRequest())
+
+    async def health(self) -> None:
+        await self._all("Health", pb.HealthRequest())
+
+    async def warmup(self, max_prefill_tokens: int, max_batch_size: int, num_blocks: int,
+                     max_memory_fraction: float) -> int:
+        """Each shard sizes its own pool; the usable pool is the smallest of them."""
+        req = pb.WarmupRequest(max_prefill_tokens=max_prefill_tokens, max_batch_size=max_batch_size,
+                               num_blocks=num_blocks, max_memory_fraction=max_memory_fraction)
+        answers = await asyncio.gather(*[stub.Warmup(req) for stub in self.stubs])
+        smallest = min(a.num_blocks for a in answers)
+        if any(a.num_blocks != smallest for a in answers):
+            await asyncio.gather(*[stub.Warmup(pb.WarmupRequest(
+                max_prefill_tokens=max_prefill_tokens, max_batch_size=max_batch_size, num_blocks=smallest,
+            )) for stub in self.stubs])
+        return smallest
+
+    async def step(self, prefill: bool, entries: list[pb.StepEntry]) -> pb.StepResponse:
+        return await self._all("Prefill" if prefill else "Decode", pb.StepRequest(entries=entries))
+
+    async def filter(self, remove_ids: list[int]) -> None:
+        await self._all("FilterBatch", pb.FilterBatchRequest(remove_ids=remove_ids))
+
+    async def clear(self) -> None:
+        await self._all("ClearCache", pb.ClearCacheRequest())
+
+    async def close(self) -> None:
+        await asyncio.gather(*[c.close() for c in self.channels])

@@ -1,0 +1,51 @@
+"""`python -m shard`: load this rank's slice of the model and serve the Shard service on a unix socket."""
+import logging
+import os
+import signal
+import threading
+
+import typer
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    model_dir: str = typer.Option(...),
+    uds: str = typer.Option(..., help="unix socket path to serve on"),
+    rank: int = 0,
+    world_size: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    dtype: str = "bfloat16",
+    device: str = "auto",
+    block_size: int = 16,
+):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
+    import torch
+
+    from shard import model as model_lib
+    from shard.runner import Runner
+    from shard.server import ShardService, pick_device, serve
+    from shard.tensor_parallel import init_process_group
+
+    dev = pick_device(device, rank)
+    if world_size > 1:
+        init_process_group(rank, world_size, master_addr, master_port, dev)
+    loaded = model_lib.load(model_dir, dtype, dev, rank, world_size)
+    logging.getLogger("shard").info("loaded %s (%s, %s) on %s, %d KV heads on this rank",
+                                    model_dir, loaded.config.model_type, dtype, dev, loaded.kv_heads)
+    runner = Runner(loaded, dev, block_size, rank, world_size)
+    server = serve(ShardService(loaded, runner, world_size, dtype), uds)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1).wait()
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    app()

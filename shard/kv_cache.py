@@ -1,0 +1,42 @@
+"""The physical paged KV cache of one rank, and how big it can be.
+
+One tensor holds every layer's keys and values: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+Block b of every layer belongs to the same request, so the router's block table addresses all layers at once.
+A CPU swap pool of the same block shape receives offloaded blocks.
+"""
+import torch
+
+
+def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return num_layers * 2 * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def free_memory(device: torch.device, local_world_size: int) -> int:
+    """Bytes this rank may still use: free device memory, or on CPU its share of the available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024 // local_world_size
+
+
+class KVCache:
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, swap_blocks=0):
+        shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+        self.swap = None
+        if swap_blocks:
+            pin = device.type == "cuda"
+            self.swap = torch.zeros((num_layers, 2, swap_blocks, *shape[3:]), dtype=dtype, pin_memory=pin)
+
+    def offload(self, device_blocks: list[int], swap_slots: list[int]) -> None:
+        idx = torch.tensor(device_blocks, device=self.data.device)
+        self.swap[:, :, swap_slots] = self.data[:, :, idx].to("cpu", non_blocking=True)
+
+    def restore(self, swap_slots: list[int], device_blocks: list[int]) -> None:
+        idx = torch.tensor(device_blocks, device=self.data.device)
+        self.data[:, :, idx] = self.swap[:, :, swap_slots].to(self.data.device, non_blocking=True)

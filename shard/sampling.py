@@ -1,0 +1,79 @@
+"""Next-token choice per request: greedy rows in one argmax, sampled rows each with their own generator.
+
+A sampled token's generator is seeded from (request seed, position), so the same seed gives the same text
+whatever else shares the batch and even after the request was preempted and recomputed.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Params:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    do_sample: bool = False
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+
+    @classmethod
+    def from_proto(cls, p) -> "Params":
+        return cls(p.temperature or 1.0, p.top_k, p.top_p or 1.0, p.do_sample, p.seed,
+                   p.repetition_penalty or 1.0, p.frequency_penalty)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, history: torch.Tensor, p: Params) -> torch.Tensor:
+    """TGI's repetition penalty (divide positive, multiply negative) and OpenAI's frequency penalty."""
+    if p.repetition_penalty != 1.0:
+        seen = logits[history]
+        logits = logits.index_put((history,), torch.where(seen > 0, seen / p.repetition_penalty,
+                                                           seen * p.repetition_penalty))
+    if p.frequency_penalty != 0.0:
+        counts = torch.bincount(history, minlength=logits.shape[-1]).to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts
+    return logits
+
+
+def sample_one(logits: torch.Tensor, p: Params, position: int) -> tuple[int, float]:
+    """Samples from one row of float32 logits; returns (token, logprob under the warped distribution)."""
+    logits = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= p.top_p
+        logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
+    logprobs = logits.log_softmax(-1)
+    gen = torch.Generator(device=logits.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
+    token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
+    return token, float(logprobs[token])
+
+
+def sample(logits: torch.Tensor, params: list[Params], histories: list, positions: list[int]):
+    """logits [S, V] -> list of (token, logprob)."""
+    logits = logits.float()
+    for i, p in enumerate(params):
+        if p.penalized:
+            logits[i] = apply_penalties(logits[i], histories[i], p)
+    logprobs = logits.log_softmax(-1)
+    greedy = logits.argmax(-1)
+    out = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            t = int(greedy[i])
+            out.append((t, float(logprobs[i, t])))
+        else:
+            out.append(sample_one(logits[i], p, positions[i]))
+    return out

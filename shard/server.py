@@ -1,0 +1,101 @@
+"""The gRPC service of one rank. Every rank receives the same calls in the same order (the router awaits all
+ranks before the next call), so the collectives inside a forward pass line up; rank 0's answer is used.
+"""
+import logging
+import os
+from concurrent import futures
+
+import grpc
+import torch
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from shard.kv_cache import bytes_per_block, free_memory
+from shard.model import LoadedModel
+from shard.runner import Runner, StepError
+
+log = logging.getLogger("shard")
+
+
+class ShardService(pb_grpc.ShardServicer):
+    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str):
+        self.loaded = loaded
+        self.runner = runner
+        self.world = world
+        self.dtype = dtype
+
+    def Info(self, request, context):
+        m = self.loaded
+        return pb.InfoResponse(
+            model_type=m.config.model_type, dtype=self.dtype, device=str(self.runner.device),
+            world_size=self.world, block_size=self.runner.block_size, num_layers=m.num_layers,
+            num_kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.config.vocab_size,
+            max_position_embeddings=getattr(m.config, "max_position_embeddings", 0) or 0,
+            sliding_window=m.sliding_window,
+        )
+
+    def Health(self, request, context):
+        return pb.HealthResponse()
+
+    def Warmup(self, request, context):
+        r = self.runner
+        r.warmup(max(request.max_prefill_tokens, 1))
+        per_block = bytes_per_block(self.loaded.num_layers, r.block_size, self.loaded.kv_heads,
+                                    self.loaded.head_dim, self.loaded.model.dtype)
+        num_blocks = request.num_blocks
+        if not num_blocks:
+            local_world = self.world if r.device.type == "cpu" else 1
+            budget = free_memory(r.device, local_world) * (request.max_memory_fraction or 0.9)
+            num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no memory left for a single KV block")
+        r.allocate(num_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, r.block_size,
+                 num_blocks * per_block / 2**20)
+        return pb.WarmupResponse(num_blocks=num_blocks)
+
+    def _step(self, request, context):
+        try:
+            results, ns = self.runner.step(request.entries)
+        except StepError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.StepResponse(
+            generations=[pb.Generation(id=i, token_id=t, logprob=lp) for i, t, lp in results], forward_ns=ns,
+        )
+
+    Prefill = _step
+    Decode = _step
+
+    def FilterBatch(self, request, context):
+        self.runner.filter(request.remove_ids)
+        return pb.FilterBatchResponse()
+
+    def ClearCache(self, request, context):
+        self.runner.clear()
+        return pb.ClearCacheResponse()
+
+    def Offload(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "offload is not enabled on this shard")
+
+
+def serve(service: ShardService, uds: str) -> grpc.Server:
+    """One worker thread: calls are strictly ordered, and torch already uses every core."""
+    if os.path.exists(uds):
+        os.unlink(uds)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=[
+        ("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20),
+    ])
+    pb_grpc.add_ShardServicer_to_server(service, server)
+    server.add_insecure_port(f"unix://{uds}")
+    server.start()
+    os.chmod(uds, 0o600)
+    return server
+
+
+def pick_device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
