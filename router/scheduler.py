@@ -74,10 +74,11 @@ class Scheduler:
         for req in list(self.running):
             if req.state is not State.RUNNING or not req.is_decoding or req.id in scheduled:
                 continue
-            if not self._make_room(req, 1, scheduled, step):
+            room = self._make_room(req, held, scheduled, step)
+            if room is None:
                 continue
+            held = room + 1
             self._schedule(step, req, 1, scheduled)
-            held += 1
         prefill_left = self.budget.max_batch_prefill_tokens
         for req in list(self.running):
             if req.state is not State.RUNNING or req.is_decoding or req.id in scheduled:
@@ -137,14 +138,18 @@ class Scheduler:
         req.computed += n
         scheduled.add(req.id)
 
-    def _make_room(self, req: Request, n: int, scheduled: set[int], step: Step) -> bool:
-        """Preempts the newest unscheduled running requests until `req` can grow by n tokens."""
-        while self.blocks.extra_blocks(len(req.blocks), req.computed + n) > self.blocks.num_free:
+    def _make_room(self, req: Request, held: int, scheduled: set[int], step: Step):
+        """Preempts the newest unscheduled running requests until `req` can grow by one token within both
+        the block pool and the total-token budget; returns the tokens then held, or None if it cannot."""
+        while (self.blocks.extra_blocks(len(req.blocks), req.computed + 1) > self.blocks.num_free
+               or held + 1 > self.budget.max_batch_total_tokens):
             victims = [r for r in self.running if r.id not in scheduled and r is not req]
             if not victims:
-                return False
-            self.preempt(max(victims, key=lambda r: r.arrival), step)
-        return True
+                return None
+            victim = max(victims, key=lambda r: r.arrival)
+            held -= victim.computed
+            self.preempt(victim, step)
+        return held
 
     def preempt(self, req: Request, step: Step) -> None:
         """Soft reset: free the blocks, keep the tokens, requeue at the head of the queue."""

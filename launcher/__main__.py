@@ -1,0 +1,4 @@
+"""`python -m launcher` runs cb-launcher."""
+from launcher.main import app
+
+app()
