@@ -1,27 +1,17 @@
-"""`cb-launcher`: converts the model once, starts the shards, then the router, and supervises them.
-
-Any child dying takes everything down (exit 1): a server missing a shard cannot answer. SIGTERM or
-Ctrl-C drains instead: the router finishes in-flight requests first, then the shards stop (exit 0).
-"""
+"""`cb-launcher`: converts the model once, starts the shards and then the router, and supervises them."""
 import enum
-import os
 import shutil
-import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import typer
 
-from launcher.children import Child, describe_exit, log, stop_all
+from launcher.children import log
 from launcher.model_files import ModelNotFoundError, resolve_model
-from launcher.readiness import router_healthy, router_url, shard_healthy
-
-FAILURE_STOP_TIMEOUT = 5.0  # s between SIGTERM and SIGKILL when tearing down after a failure
-SHARD_STOP_TIMEOUT = 10.0   # s the shards get to exit once the router has drained
-ROUTER_STOP_MARGIN = 10.0   # s on top of --graceful-timeout before the router is killed
+from launcher.readiness import router_url
+from launcher.supervisor import Supervisor
 
 app = typer.Typer(add_completion=False)
 
@@ -38,62 +28,10 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
-class ChildExited(Exception):
-    """A child stopped while nobody asked it to."""
-
-
-class StopRequested(Exception):
-    """SIGTERM or SIGINT reached the launcher."""
-
-
-class Supervisor:
-    """Owns the children. Every wait of the launcher goes through wait_until, so a child dying or a
-    stop signal is noticed whatever the launcher is waiting for (a shard loading, or nothing)."""
-
-    def __init__(self):
-        self.children: list[Child] = []
-        self.stop_signal: Optional[str] = None
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.stop_signal = self.stop_signal or signal.Signals(signum).name
-
-    def spawn(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, self.env)
-        self.children.append(child)
-        return child
-
-    def wait_until(self, ready: Callable[[], bool], waiting_for: Callable[[], str] = lambda: "",
-                   interval: float = 0.2, report_every: float = 10.0) -> None:
-        start = time.monotonic()
-        next_report = start + report_every
-        while True:
-            if self.stop_signal:
-                raise StopRequested
-            for child in self.children:
-                if (code := child.exit_code()) is not None:
-                    raise ChildExited(f"{child.name} {describe_exit(code)}")
-            if ready():
-                return
-            if time.monotonic() >= next_report:
-                log("launcher", f"waiting for {waiting_for()}… ({time.monotonic() - start:.0f} s)")
-                next_report += report_every
-            time.sleep(interval)
-
-
-def wait_for_shards(supervisor: Supervisor, sockets: list[str]) -> None:
-    pending = dict(enumerate(sockets))
-
-    def all_healthy() -> bool:
-        for rank, path in list(pending.items()):
-            if shard_healthy(path):
-                del pending[rank]
-                log("launcher", f"shard {rank} is up")
-        return not pending
-
-    supervisor.wait_until(all_healthy, lambda: ", ".join(f"shard {rank}" for rank in pending) + " to load")
+def as_flags(**flags) -> list[str]:
+    """`--flag value` pairs in the children's CLI spelling; a None value leaves its flag out."""
+    return [arg for name, value in flags.items() if value is not None
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
 @app.command()
@@ -128,51 +66,27 @@ def main(
         model_dir = resolve_model(model_id)
     except ModelNotFoundError as error:
         log("launcher", f"error: {error}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     own_uds_dir = uds_dir is None
     uds_dir = Path(tempfile.mkdtemp(prefix="cb-")) if own_uds_dir else uds_dir
     uds_dir.mkdir(parents=True, exist_ok=True)
     sockets = [str(uds_dir / f"shard-{rank}.sock") for rank in range(num_shard)]
+    shard_argvs = [[sys.executable, "-m", "shard", *as_flags(
+        model_dir=model_dir, rank=rank, world_size=num_shard, uds=sockets[rank], master_addr="127.0.0.1",
+        master_port=master_port, dtype=dtype.value, device=device.value, block_size=block_size)]
+        for rank in range(num_shard)]
+    router_argv = [sys.executable, "-m", "router", *as_flags(
+        model_dir=model_dir, uds=",".join(sockets), port=port, hostname=hostname,
+        max_concurrent_requests=max_concurrent_requests, max_input_tokens=max_input_tokens,
+        max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
+        max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
+        waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
+        block_size=block_size, max_memory_percent=max_memory_percent, graceful_timeout=graceful_timeout)]
 
-    shard_args = [
-        "--model-dir", str(model_dir), "--world-size", str(num_shard), "--master-addr", "127.0.0.1",
-        "--master-port", str(master_port), "--dtype", dtype.value, "--device", device.value,
-        "--block-size", str(block_size)]
-    router_argv = [
-        sys.executable, "-m", "router", "--model-dir", str(model_dir), "--uds", ",".join(sockets),
-        "--port", str(port), "--hostname", hostname,
-        "--max-concurrent-requests", str(max_concurrent_requests), "--max-input-tokens", str(max_input_tokens),
-        "--max-total-tokens", str(max_total_tokens), "--max-batch-prefill-tokens", str(max_batch_prefill_tokens),
-        *(["--max-batch-total-tokens", str(max_batch_total_tokens)] if max_batch_total_tokens else []),
-        "--max-batch-size", str(max_batch_size), "--waiting-served-ratio", str(waiting_served_ratio),
-        "--max-waiting-tokens", str(max_waiting_tokens), "--block-size", str(block_size),
-        "--max-memory-percent", str(max_memory_percent), "--graceful-timeout", str(graceful_timeout)]
-
-    supervisor = Supervisor()
-    router = None
+    log("launcher", f"starting {num_shard} shard(s) from {model_dir} ({dtype.value}, device {device.value})")
     try:
-        log("launcher", f"starting {num_shard} shard(s) from {model_dir} ({dtype.value}, device {device.value})")
-        shards = [supervisor.spawn(f"shard {rank}", [sys.executable, "-m", "shard", "--rank", str(rank),
-                                                     "--uds", sockets[rank], *shard_args])
-                  for rank in range(num_shard)]
-        wait_for_shards(supervisor, sockets)
-        router = supervisor.spawn("router", router_argv)
-        url = router_url(hostname, port)
-        supervisor.wait_until(lambda: router_healthy(url), lambda: "the router to warm up the shards")
-        log("launcher", f"ready: {url}")
-        supervisor.wait_until(lambda: False)
-    except ChildExited as error:
-        log("launcher", f"{error}: stopping everything")
-        code = 1
-    except StopRequested:
-        log("launcher", f"{supervisor.stop_signal}: shutting down, letting in-flight requests finish")
-        if router is not None:
-            stop_all([router], graceful_timeout + ROUTER_STOP_MARGIN)
-        stop_all(shards, SHARD_STOP_TIMEOUT)
-        log("launcher", "stopped")
-        code = 0
-    finally:  # also reached on a bug in the launcher itself: no child may outlive it
-        stop_all(supervisor.children, FAILURE_STOP_TIMEOUT)
+        code = Supervisor().run(shard_argvs, sockets, router_argv, router_url(hostname, port), graceful_timeout)
+    finally:
         if own_uds_dir:
             shutil.rmtree(uds_dir, ignore_errors=True)
         else:

@@ -39,6 +39,17 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     async def run(self) -> None:
+        """Runs steps forever; a bug in one step fails the requests it touched, never the loop."""
+        while True:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.exception("batching loop error")
+                await self._fail_all(f"internal error: {e!r}")
+
+    async def _loop(self) -> None:
         while True:
             await self._retire()
             if not self.busy:

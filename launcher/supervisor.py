@@ -1,0 +1,97 @@
+"""Brings the shards up, then the router, and watches them until one dies or the launcher is told to stop.
+
+Any child dying takes everything down (exit 1): a server missing a shard cannot answer. SIGTERM or
+SIGINT drains instead: the router finishes in-flight requests first, then the shards stop (exit 0).
+"""
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+from launcher.children import Child, describe_exit, log, stop_all
+from launcher.readiness import router_healthy, shard_healthy
+
+FAILURE_STOP_TIMEOUT = 5.0  # s between SIGTERM and SIGKILL when tearing down after a failure
+SHARD_STOP_TIMEOUT = 10.0   # s the shards get to exit once the router has drained
+ROUTER_STOP_MARGIN = 10.0   # s on top of --graceful-timeout before the router is killed
+
+
+class ChildExited(Exception):
+    """A child stopped while nobody asked it to."""
+
+
+class StopRequested(Exception):
+    """SIGTERM or SIGINT reached the launcher."""
+
+
+class Supervisor:
+    """Owns the children. Every wait of the launcher goes through wait_until, so a child dying or a
+    stop signal is noticed whatever the launcher is waiting for (a shard loading, or nothing)."""
+
+    def __init__(self):
+        self.children: list[Child] = []
+        self.stop_signal: Optional[str] = None
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = self.stop_signal or signal.Signals(signum).name
+
+    def spawn(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.env)
+        self.children.append(child)
+        return child
+
+    def wait_until(self, ready: Callable[[], bool], waiting_for: Callable[[], str] = lambda: "",
+                   interval: float = 0.2, report_every: float = 10.0) -> None:
+        start = time.monotonic()
+        next_report = start + report_every
+        while True:
+            if self.stop_signal:
+                raise StopRequested
+            for child in self.children:
+                if (code := child.exit_code()) is not None:
+                    raise ChildExited(f"{child.name} {describe_exit(code)}")
+            if ready():
+                return
+            if time.monotonic() >= next_report:
+                log("launcher", f"waiting for {waiting_for()}… ({time.monotonic() - start:.0f} s)")
+                next_report += report_every
+            time.sleep(interval)
+
+    def wait_for_shards(self, sockets: list[str]) -> None:
+        pending = dict(enumerate(sockets))
+
+        def all_healthy() -> bool:
+            for rank, path in list(pending.items()):
+                if shard_healthy(path):
+                    del pending[rank]
+                    log("launcher", f"shard {rank} is up")
+            return not pending
+
+        self.wait_until(all_healthy, lambda: ", ".join(f"shard {rank}" for rank in pending) + " to load")
+
+    def run(self, shard_argvs: list[list[str]], sockets: list[str], router_argv: list[str], url: str,
+            graceful_timeout: float) -> int:
+        """Serves until a child dies (returns 1) or a stop signal has drained everything (returns 0)."""
+        shards, router = [], None
+        try:
+            shards = [self.spawn(f"shard {rank}", argv) for rank, argv in enumerate(shard_argvs)]
+            self.wait_for_shards(sockets)
+            router = self.spawn("router", router_argv)
+            self.wait_until(lambda: router_healthy(url), lambda: "the router to warm up the shards")
+            log("launcher", f"ready: {url}")
+            self.wait_until(lambda: False)
+        except ChildExited as error:
+            log("launcher", f"{error}: stopping everything")
+            return 1
+        except StopRequested:
+            log("launcher", f"{self.stop_signal}: shutting down, letting in-flight requests finish")
+            if router is not None:
+                stop_all([router], graceful_timeout + ROUTER_STOP_MARGIN)
+            stop_all(shards, SHARD_STOP_TIMEOUT)
+            log("launcher", "stopped")
+            return 0
+        finally:  # also reached on a bug in the launcher itself: no child may outlive it
+            stop_all(self.children, FAILURE_STOP_TIMEOUT)
