@@ -43,8 +43,9 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def wait_until(self, ready: Callable[[], bool], waiting_for: Callable[[], str] = lambda: "",
+    def wait_until(self, ready: Callable[[], bool], waiting_for: Optional[Callable[[], str]] = None,
                    interval: float = 0.2, report_every: float = 10.0) -> None:
+        """Polls `ready`; reports progress every report_every seconds when told what it waits for."""
         start = time.monotonic()
         next_report = start + report_every
         while True:
@@ -55,7 +56,7 @@ class Supervisor:
                     raise ChildExited(f"{child.name} {describe_exit(code)}")
             if ready():
                 return
-            if time.monotonic() >= next_report:
+            if waiting_for is not None and time.monotonic() >= next_report:
                 log("launcher", f"waiting for {waiting_for()}… ({time.monotonic() - start:.0f} s)")
                 next_report += report_every
             time.sleep(interval)
