@@ -35,6 +35,7 @@ def main(
     from fastapi import FastAPI
     from transformers import AutoTokenizer, GenerationConfig
 
+    from proto import generate_pb2 as pb
     from router.block_table import BlockTable
     from router.engine import Engine
     from router.scheduler import Budget, Scheduler
@@ -53,7 +54,9 @@ def main(
         await shards.health()
         info = await shards.info()
         wanted = -(-max_batch_total_tokens // block_size) if max_batch_total_tokens else 0
-        num_blocks = await shards.warmup(max_batch_prefill_tokens, max_batch_size, wanted, max_memory_percent)
+        num_blocks = await shards.warmup(pb.WarmupRequest(
+            max_prefill_tokens=max_batch_prefill_tokens, max_batch_size=max_batch_size, num_blocks=wanted,
+            max_memory_fraction=max_memory_percent, max_total_tokens=max_total_tokens))
         capacity = num_blocks * block_size
         total_budget = min(max_batch_total_tokens or capacity, capacity)
         if max_total_tokens > total_budget:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from proto import generate_pb2 as pb
+from router import metrics
 from router.job import Job
 from router.scheduler import Entry, Scheduler
 from router.shards import ShardError, Shards
@@ -49,9 +50,17 @@ class Engine:
                 log.exception("batching loop error")
                 await self._fail_all(f"internal error: {e!r}")
 
+    def observe(self) -> None:
+        s = self.scheduler
+        metrics.batch_size.set(len(s.running))
+        metrics.queue_size.set(len(s.waiting))
+        metrics.blocks_free.set(s.blocks.num_free)
+        metrics.blocks_total.set(s.blocks.num_blocks)
+
     async def _loop(self) -> None:
         while True:
             await self._retire()
+            self.observe()
             if not self.busy:
                 self.wake.clear()
                 await self.wake.wait()
@@ -61,6 +70,7 @@ class Engine:
                 log.info("preempted %d request(s) to free KV blocks: %s", len(step.preempted),
                          [r.id for r in step.preempted])
                 self.to_filter.extend(r.id for r in step.preempted)
+                metrics.preemptions.inc(len(step.preempted))
                 await self._retire()
             if not step.entries:
                 self.wake.clear()
@@ -72,6 +82,7 @@ class Engine:
                 await self._fail_all(str(e))
                 continue
             self.steps += 1
+            metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
             for g in resp.generations:
                 job = self.jobs.get(g.id)
                 if job is not None and job.finish_reason is None:
@@ -92,6 +103,12 @@ class Engine:
                 del self.jobs[job.id]
                 if job.cancelled and job.finish_reason is None:
                     log.info("request %d cancelled by its client", job.id)
+                    metrics.outcomes.labels("cancelled").inc()
+                else:
+                    metrics.outcomes.labels("success").inc()
+                    metrics.generated_tokens.observe(len(job.tokens))
+                    metrics.request_duration.observe(job.finished_at - job.queued_at)
+                    metrics.queue_duration.observe(job.first_token_at - job.queued_at)
         if self.to_filter:
             ids, self.to_filter = self.to_filter, []
             try:
@@ -105,6 +122,7 @@ class Engine:
         for job in list(self.jobs.values()):
             if job.request in self.scheduler.running:
                 job.fail(message)
+                metrics.outcomes.labels("error").inc()
                 self.scheduler.finish(job.request)
                 del self.jobs[job.id]
         self.to_filter = []

@@ -4,7 +4,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router import metrics
 
 from router.detokenizer import Detokenizer
 from router.engine import Engine
@@ -44,18 +48,28 @@ def details_json(job: Job) -> dict:
 def install_routes(app: FastAPI, ctx: Context) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request, exc: RequestValidationError):
+        metrics.outcomes.labels("validation").inc()
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return error(422, f"{where}: {first.get('msg', 'invalid request')}".lstrip(": "), "validation")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, exc: StarletteHTTPException):
+        kind = "validation" if exc.status_code in (400, 422) else "http"
+        return error(exc.status_code, str(exc.detail), kind)
+
     def start(body: GenerateRequest):
+        metrics.requests.inc()
         if ctx.draining:
+            metrics.outcomes.labels("unhealthy").inc()
             return error(503, "the server is shutting down", "unhealthy")
         if len(ctx.engine.jobs) >= ctx.max_concurrent_requests:
+            metrics.outcomes.labels("overloaded").inc()
             return error(429, "Model is overloaded", "overloaded")
         try:
             v = validate(body, ctx.tokenizer, ctx.limits)
         except ValidationError as e:
+            metrics.outcomes.labels("validation").inc()
             return error(422, str(e), "validation")
         eos = frozenset() if body.parameters.ignore_eos else ctx.eos_ids
         job = Job(
@@ -130,6 +144,10 @@ def install_routes(app: FastAPI, ctx: Context) -> None:
     @app.get("/info")
     async def info():
         return ctx.info
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def sse(obj: dict) -> str:

@@ -33,17 +33,13 @@ class Shards:
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest())
 
-    async def warmup(self, max_prefill_tokens: int, max_batch_size: int, num_blocks: int,
-                     max_memory_fraction: float) -> int:
+    async def warmup(self, request: pb.WarmupRequest) -> int:
         """Each shard sizes its own pool; the usable pool is the smallest of them."""
-        req = pb.WarmupRequest(max_prefill_tokens=max_prefill_tokens, max_batch_size=max_batch_size,
-                               num_blocks=num_blocks, max_memory_fraction=max_memory_fraction)
-        answers = await asyncio.gather(*[stub.Warmup(req) for stub in self.stubs])
+        answers = await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
         smallest = min(a.num_blocks for a in answers)
         if any(a.num_blocks != smallest for a in answers):
-            await asyncio.gather(*[stub.Warmup(pb.WarmupRequest(
-                max_prefill_tokens=max_prefill_tokens, max_batch_size=max_batch_size, num_blocks=smallest,
-            )) for stub in self.stubs])
+            request.num_blocks = smallest
+            await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
         return smallest
 
     async def step(self, prefill: bool, entries: list[pb.StepEntry]) -> pb.StepResponse:

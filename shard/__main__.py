@@ -31,6 +31,8 @@ def main(
     from shard.tensor_parallel import init_process_group
 
     dev = pick_device(device, rank)
+    if dev.type == "cpu" and world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if world_size > 1:
         init_process_group(rank, world_size, master_addr, master_port, dev)
     loaded = model_lib.load(model_dir, dtype, dev, rank, world_size)

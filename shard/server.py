@@ -46,7 +46,8 @@ class ShardService(pb_grpc.ShardServicer):
         if not num_blocks:
             local_world = self.world if r.device.type == "cpu" else 1
             budget = free_memory(r.device, local_world) * (request.max_memory_fraction or 0.9)
-            num_blocks = int(budget // per_block)
+            most_ever = request.max_batch_size * -(-request.max_total_tokens // r.block_size)
+            num_blocks = min(int(budget // per_block), most_ever or int(budget // per_block))
         if num_blocks < 1:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no memory left for a single KV block")
         r.allocate(num_blocks)

@@ -1,7 +1,7 @@
 """Shared fixtures: the real model, transformers' own greedy reference, and real launched servers.
 
 Servers are started once per session (model loading dominates on 2 cores); every test that shares one
-leaves it as it found it, which `assert_idle` checks through /info-free counters.
+leaves it as it found it, which `assert_idle` checks through /metrics.
 """
 import json
 import os
@@ -140,3 +140,22 @@ def server():
                "--max-input-tokens", "1024", "--max-total-tokens", "1536")
     yield s
     s.stop()
+
+
+def metric(url: str, name: str) -> float:
+    """Reads one sample from /metrics with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+def assert_idle(url: str, timeout: float = 30) -> None:
+    """Every KV block is back in the pool once nothing is running (blocks are freed a step later)."""
+    deadline = time.monotonic() + timeout
+    while metric(url, "cb_kv_blocks_free") != metric(url, "cb_kv_blocks_total"):
+        assert time.monotonic() < deadline, "KV blocks leaked"
+        time.sleep(0.2)

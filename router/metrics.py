@@ -1,0 +1,20 @@
+"""Prometheus metrics under TGI's `tgi_*` names, plus the KV pool (`cb_*`), read by GET /metrics."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+registry = CollectorRegistry()
+
+requests = Counter("tgi_request_count", "Requests received", registry=registry)
+outcomes = Counter("tgi_request_outcome", "Requests by outcome", ["outcome"], registry=registry)
+generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens per request",
+                             buckets=[1, 8, 32, 64, 128, 256, 512, 1024, 2048], registry=registry)
+request_duration = Histogram("tgi_request_duration", "End-to-end request seconds", registry=registry,
+                             buckets=[0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300])
+queue_duration = Histogram("tgi_request_queue_duration", "Seconds from arrival to first token",
+                           registry=registry, buckets=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
+forward_duration = Histogram("tgi_batch_forward_duration", "Shard forward seconds per step", ["method"],
+                             registry=registry, buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5])
+batch_size = Gauge("tgi_batch_current_size", "Requests in the running batch", registry=registry)
+queue_size = Gauge("tgi_queue_size", "Requests waiting", registry=registry)
+preemptions = Counter("cb_preemptions", "Requests soft-reset to free KV blocks", registry=registry)
+blocks_free = Gauge("cb_kv_blocks_free", "Free KV blocks", registry=registry)
+blocks_total = Gauge("cb_kv_blocks_total", "KV blocks in the pool", registry=registry)
