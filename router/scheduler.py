@@ -3,8 +3,10 @@
 Order of a step: every running decode gets one token (and a block when its last one is full); running
 prompts that were chunked continue; then waiting requests are admitted in arrival order while the prefill
 budget, the total-token budget, the KV blocks and max_batch_size allow. A prompt larger than the prefill
-budget left is chunked. With requests already running, new ones are admitted only when enough are waiting
-(waiting_served_ratio) or they have waited max_waiting_tokens steps, as TGI does. When a running request
+budget left is chunked. With requests already running, new ones are admitted only when at least
+waiting_served_ratio waiting requests per running one are queued, or max_waiting_tokens steps have passed
+since the last admission (TGI's documented meaning; the count is of the queue, not of what fits this step,
+so a small prefill budget admitting a few requests per step never stalls a long queue). When a running request
 cannot get its next block, the newest running request that is not scheduled yet is preempted: its blocks
 are freed and it goes back to the head of the queue with its generated tokens as part of its prompt.
 
@@ -113,7 +115,7 @@ class Scheduler:
             if n < req.remaining:
                 break
         if self.running and self.steps_since_admission < self.budget.max_waiting_tokens:
-            if len(plan) < int(len(self.running) * self.budget.waiting_served_ratio):
+            if len(self.waiting) < int(len(self.running) * self.budget.waiting_served_ratio):
                 return 0
         for req, n in plan:
             self.waiting.remove(req)

@@ -245,3 +245,17 @@ def test_preemption_requeues_newest_at_head_and_frees_its_blocks():
     assert all(x.state is State.FINISHED for x in (a, b, c, w))
     assert c.generated[:2] == [1000, 1001] and len(c.generated) == 3
     assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_long_queue_keeps_being_admitted_under_a_small_prefill_budget():
+    """Many waiting, only one prompt fits per step: one is admitted every step (no max_waiting_tokens stall)."""
+    s = make(ratio=0.3, max_wait=1000, prefill=8)
+    start_running(s, 2)
+    waiting = [req(8, 50) for _ in range(10)]
+    for x in waiting:
+        s.add(x)
+    for i in range(8):               # while waiting >= floor(running * 0.3)
+        run_step(s)
+        assert sum(x.state is not State.WAITING for x in waiting) == i + 1
+    run_step(s)                      # 2 waiting < floor(10 * 0.3): the running batch is served first
+    assert sum(x.state is not State.WAITING for x in waiting) == 8
