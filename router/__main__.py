@@ -86,7 +86,7 @@ def main(
             await loop_task
         await shards.close()
 
-    ctx = Context(None, tokenizer, Limits(max_input_tokens, max_total_tokens), eos_ids,
+    ctx = Context(None, tokenizer, Limits(max_input_tokens, max_total_tokens, len(tokenizer)), eos_ids,
                   max_concurrent_requests, {})
     fastapi_app = FastAPI(title="cb", lifespan=lifespan)
     install_routes(fastapi_app, ctx)

@@ -37,6 +37,7 @@ class ValidationError(Exception):
 class Limits:
     max_input_tokens: int
     max_total_tokens: int
+    vocab_size: int
     max_stop_sequences: int = 4
 
 
@@ -59,8 +60,8 @@ def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
         ids = req.inputs
         if not ids:
             raise ValidationError("`inputs` cannot be empty")
-        if any(t < 0 or t >= len(tokenizer) for t in ids):
-            raise ValidationError(f"`inputs` token ids must be in [0, {len(tokenizer)})")
+        if min(ids) < 0 or max(ids) >= limits.vocab_size:
+            raise ValidationError(f"`inputs` token ids must be in [0, {limits.vocab_size})")
     if p.temperature is not None and p.temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
     if p.top_k is not None and p.top_k <= 0:
