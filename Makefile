@@ -26,8 +26,9 @@ run: install
 test: install
 	$(BIN)/pytest -q $(ARGS)
 
+# Starts its own server (bf16, port 8081), replays W64 exactly, stops it, then measures the forward ceiling.
 bench: install
-	$(BIN)/cb-bench $(ARGS)
+	$(BIN)/cb-bench --launch --port 8081 --launcher-args "--max-batch-total-tokens 32768" $(ARGS)
 
 clean:
 	rm -rf $(VENV) proto/*_pb2*.py
