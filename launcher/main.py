@@ -60,6 +60,8 @@ def main(
     master_port: int = typer.Option(29500, envvar="MASTER_PORT", help="torch.distributed rendezvous"),
     uds_dir: Optional[Path] = typer.Option(
         None, envvar="UDS_DIR", help="where the shard sockets go; default: a fresh temp dir"),
+    trace_file: Optional[Path] = typer.Option(
+        None, envvar="TRACE_FILE", help="the router writes every scheduling decision here (JSON lines, for cb-sim)"),
 ):
     """Serves --model-id over HTTP with continuous batching across --num-shard shard processes."""
     try:
@@ -81,7 +83,8 @@ def main(
         max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
         max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
         waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
-        block_size=block_size, max_memory_percent=max_memory_percent, graceful_timeout=graceful_timeout)]
+        block_size=block_size, max_memory_percent=max_memory_percent, graceful_timeout=graceful_timeout,
+        trace_file=trace_file)]
 
     log("launcher", f"starting {num_shard} shard(s) from {model_dir} ({dtype.value}, device {device.value})")
     try:

@@ -28,6 +28,7 @@ def main(
     block_size: int = 16,
     max_memory_percent: float = 0.9,
     graceful_timeout: float = 30.0,
+    trace_file: Optional[str] = typer.Option(None, help="write every scheduling decision here (JSON lines)"),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -39,8 +40,10 @@ def main(
     from router.block_table import BlockTable
     from router.engine import Engine
     from router.scheduler import Budget, Scheduler
-    from router.server import Context, install_routes
+    from router.server import install_routes
+    from router.service import Service
     from router.shards import Shards
+    from router.trace import Trace
     from router.validation import Limits
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -68,9 +71,10 @@ def main(
                  num_blocks, block_size, capacity, capacity // max_total_tokens)
         budget = Budget(max_batch_prefill_tokens, total_budget, max_batch_size, waiting_served_ratio,
                         max_waiting_tokens)
-        engine = Engine(shards, Scheduler(budget, BlockTable(num_blocks, block_size)))
-        ctx.engine = engine
-        ctx.info.update({
+        trace = Trace(open(trace_file, "w") if trace_file else None)
+        engine = Engine(shards, Scheduler(budget, BlockTable(num_blocks, block_size)), trace)
+        svc.engine = engine
+        svc.info.update({
             "model_id": model_dir, "model_dtype": info.dtype, "model_device_type": info.device,
             "num_shard": info.world_size, "max_input_tokens": max_input_tokens,
             "max_total_tokens": max_total_tokens, "max_batch_total_tokens": total_budget,
@@ -86,17 +90,17 @@ def main(
             await loop_task
         await shards.close()
 
-    ctx = Context(None, tokenizer, Limits(max_input_tokens, max_total_tokens, len(tokenizer)), eos_ids,
-                  max_concurrent_requests, {})
+    svc = Service(None, tokenizer, Limits(max_input_tokens, max_total_tokens, len(tokenizer)), eos_ids,
+                  max_concurrent_requests)
     fastapi_app = FastAPI(title="cb", lifespan=lifespan)
-    install_routes(fastapi_app, ctx)
+    install_routes(fastapi_app, svc)
     config = uvicorn.Config(fastapi_app, host=hostname, port=port, log_level="warning",
                             timeout_graceful_shutdown=graceful_timeout)
     server = uvicorn.Server(config)
     original = server.handle_exit
 
     def drain(sig, frame):
-        ctx.draining = True
+        svc.draining = True
         original(sig, frame)
 
     server.handle_exit = drain

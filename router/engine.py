@@ -5,20 +5,23 @@ every shard (Prefill when prompt tokens are in it, else Decode), and hand each s
 """
 import asyncio
 import logging
+from typing import Optional
 
 from proto import generate_pb2 as pb
 from router import metrics
 from router.job import Job
 from router.scheduler import Entry, Scheduler
 from router.shards import ShardError, Shards
+from router.trace import Trace
 
 log = logging.getLogger("router")
 
 
 class Engine:
-    def __init__(self, shards: Shards, scheduler: Scheduler):
+    def __init__(self, shards: Shards, scheduler: Scheduler, trace: Optional[Trace] = None):
         self.shards = shards
         self.scheduler = scheduler
+        self.trace = trace or Trace(None)
         self.jobs: dict[int, Job] = {}
         self.wake = asyncio.Event()
         self.to_filter: list[int] = []
@@ -27,6 +30,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         self.jobs[job.id] = job
         self.scheduler.add(job.request)
+        self.trace.arrive(job.request)
         self.wake.set()
 
     def cancel(self, job: Job) -> None:
@@ -66,6 +70,7 @@ class Engine:
                 await self.wake.wait()
                 continue
             step = self.scheduler.schedule()
+            self.trace.step(step)
             if step.preempted:
                 log.info("preempted %d request(s) to free KV blocks: %s", len(step.preempted),
                          [r.id for r in step.preempted])
@@ -99,6 +104,7 @@ class Engine:
         for job in list(self.jobs.values()):
             if job.finish_reason is not None or job.cancelled:
                 self.scheduler.finish(job.request)
+                self.trace.finish(job.request)
                 self.to_filter.append(job.id)
                 del self.jobs[job.id]
                 if job.cancelled and job.finish_reason is None:

@@ -1,0 +1,82 @@
+"""What every HTTP surface (TGI's, OpenAI's) shares: admission, validation, submission, and following a
+job's events while noticing when the client goes away."""
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from router import metrics
+from router.detokenizer import Detokenizer
+from router.engine import Engine
+from router.job import Job
+from router.request import Request
+from router.validation import GenerateRequest, Limits, ValidationError, validate
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+@dataclass
+class Service:
+    engine: Optional[Engine]
+    tokenizer: object
+    limits: Limits
+    eos_ids: frozenset
+    max_concurrent_requests: int
+    info: dict = field(default_factory=dict)
+    draining: bool = False
+
+    def start(self, body: GenerateRequest) -> Job:
+        """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid)."""
+        metrics.requests.inc()
+        if self.draining:
+            metrics.outcomes.labels("unhealthy").inc()
+            raise APIError(503, "the server is shutting down", "unhealthy")
+        if len(self.engine.jobs) >= self.max_concurrent_requests:
+            metrics.outcomes.labels("overloaded").inc()
+            raise APIError(429, "Model is overloaded", "overloaded")
+        try:
+            v = validate(body, self.tokenizer, self.limits)
+        except ValidationError as e:
+            metrics.outcomes.labels("validation").inc()
+            raise APIError(422, str(e), "validation") from e
+        job = Job(
+            request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens),
+            parameters=v.sampling,
+            detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
+            eos_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,
+            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed,
+        )
+        self.engine.submit(job)
+        return job
+
+    def text(self, job: Job) -> str:
+        return self.tokenizer.decode(job.request.generated, skip_special_tokens=True)
+
+    async def events(self, job: Job, http=None) -> AsyncIterator[tuple[str, object]]:
+        """The job's events ("token", Token), then ("end", job) or ("error", message). Leaving early cancels
+        the job (it leaves the batch at the next step); with `http` given, so does the client going away."""
+        watcher = asyncio.create_task(_watch(job, http)) if http is not None else None
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "gone":
+                    return
+                yield kind, payload
+                if kind != "token":
+                    return
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.engine.cancel(job)
+
+
+async def _watch(job: Job, http, interval: float = 0.25) -> None:
+    """Non-streaming responses get no disconnect signal of their own: poll for it."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(interval)
+    job.events.put_nowait(("gone", None))

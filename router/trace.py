@@ -1,0 +1,38 @@
+"""A JSON-lines record of every scheduling decision, so the simulator can replay the same arrivals through
+the same scheduler code and be checked against what the live router did."""
+import json
+import time
+from typing import Optional, TextIO
+
+from router.request import Request
+from router.scheduler import Step
+
+
+class Trace:
+    def __init__(self, out: Optional[TextIO]):
+        self.out = out
+        self.arrivals: list[dict] = []
+        self.finished: list[list[int]] = []
+        self.steps = 0
+
+    def arrive(self, req: Request) -> None:
+        if self.out:
+            self.arrivals.append({"id": req.id, "prompt_tokens": len(req.prompt_ids),
+                                  "max_new_tokens": req.max_new_tokens, "priority": req.priority})
+
+    def finish(self, req: Request) -> None:
+        if self.out:
+            self.finished.append([req.id, len(req.generated)])
+
+    def step(self, step: Step) -> None:
+        """Written after retirements and arrivals are known and the scheduler has decided."""
+        if not self.out:
+            return
+        self.out.write(json.dumps({
+            "step": self.steps, "time": time.monotonic(), "arrivals": self.arrivals, "finished": self.finished,
+            "entries": [[e.request.id, e.start, e.num_tokens, e.sample] for e in step.entries],
+            "preempted": [r.id for r in step.preempted],
+        }) + "\n")
+        self.out.flush()
+        self.arrivals, self.finished = [], []
+        self.steps += 1
