@@ -1,5 +1,6 @@
 """`cb-launcher`: converts the model once, starts the shards and then the router, and supervises them."""
 import enum
+import os
 import shutil
 import sys
 import tempfile
@@ -62,6 +63,11 @@ def main(
         None, envvar="UDS_DIR", help="where the shard sockets go; default: a fresh temp dir"),
     trace_file: Optional[Path] = typer.Option(
         None, envvar="TRACE_FILE", help="the router writes every scheduling decision here (JSON lines, for cb-sim)"),
+    api_key: Optional[str] = typer.Option(
+        None, envvar="API_KEY", help="require `Authorization: Bearer KEY` on every route but /health /metrics /info"),
+    payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="largest request body, bytes"),
+    max_stop_sequences: int = typer.Option(4, envvar="MAX_STOP_SEQUENCES"),
+    max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS"),
 ):
     """Serves --model-id over HTTP with continuous batching across --num-shard shard processes."""
     try:
@@ -84,8 +90,11 @@ def main(
         max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
         waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
         block_size=block_size, max_memory_percent=max_memory_percent, graceful_timeout=graceful_timeout,
-        trace_file=trace_file)]
+        trace_file=trace_file, payload_limit=payload_limit,
+        max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens)]
 
+    if api_key:
+        os.environ["API_KEY"] = api_key  # the router reads it from its environment, not from a visible argv
     log("launcher", f"starting {num_shard} shard(s) from {model_dir} ({dtype.value}, device {device.value})")
     try:
         code = Supervisor().run(shard_argvs, sockets, router_argv, router_url(hostname, port), graceful_timeout)

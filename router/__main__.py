@@ -29,6 +29,11 @@ def main(
     max_memory_percent: float = 0.9,
     graceful_timeout: float = 30.0,
     trace_file: Optional[str] = typer.Option(None, help="write every scheduling decision here (JSON lines)"),
+    api_key: Optional[str] = typer.Option(None, envvar="API_KEY",
+                                          help="require `Authorization: Bearer KEY` (not on /health, /metrics, /info)"),
+    payload_limit: int = typer.Option(2_000_000, help="largest request body in bytes (413 beyond)"),
+    max_stop_sequences: int = 4,
+    max_top_n_tokens: int = 5,
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -40,6 +45,7 @@ def main(
     from router.block_table import BlockTable
     from router.engine import Engine
     from router.scheduler import Budget, Scheduler
+    from router.guards import Guards
     from router.server import install_routes
     from router.service import Service
     from router.shards import Shards
@@ -81,7 +87,10 @@ def main(
             "max_batch_prefill_tokens": max_batch_prefill_tokens, "max_batch_size": max_batch_size,
             "waiting_served_ratio": waiting_served_ratio, "max_waiting_tokens": max_waiting_tokens,
             "max_concurrent_requests": max_concurrent_requests, "block_size": block_size,
-            "num_blocks": num_blocks, "router": "cb-router", "version": "0.1.0",
+            "num_blocks": num_blocks, "router": "cb-router", "version": "0.1.0", "model_sha": None,
+            "model_pipeline_tag": "text-generation", "max_best_of": 1, "max_stop_sequences": max_stop_sequences,
+            "max_top_n_tokens": max_top_n_tokens, "validation_workers": 1, "max_client_batch_size": 1,
+            "sha": None, "docker_label": None,
         })
         loop_task = asyncio.create_task(engine.run())
         yield
@@ -90,11 +99,11 @@ def main(
             await loop_task
         await shards.close()
 
-    svc = Service(None, tokenizer, Limits(max_input_tokens, max_total_tokens, len(tokenizer)), eos_ids,
-                  max_concurrent_requests)
+    limits = Limits(max_input_tokens, max_total_tokens, len(tokenizer), max_stop_sequences, max_top_n_tokens)
+    svc = Service(None, tokenizer, limits, eos_ids, max_concurrent_requests)
     fastapi_app = FastAPI(title="cb", lifespan=lifespan)
     install_routes(fastapi_app, svc)
-    config = uvicorn.Config(fastapi_app, host=hostname, port=port, log_level="warning",
+    config = uvicorn.Config(Guards(fastapi_app, api_key, payload_limit), host=hostname, port=port, log_level="warning",
                             timeout_graceful_shutdown=graceful_timeout)
     server = uvicorn.Server(config)
     original = server.handle_exit

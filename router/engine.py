@@ -88,16 +88,20 @@ class Engine:
                 continue
             self.steps += 1
             metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
+            for p in resp.prefill:
+                if p.id in self.jobs:
+                    self.jobs[p.id].on_prefill(p.logprobs)
             for g in resp.generations:
                 job = self.jobs.get(g.id)
                 if job is not None and job.finish_reason is None:
-                    job.on_token(g.token_id, g.logprob)
+                    job.on_token(g)
 
     def _entry(self, e: Entry) -> pb.StepEntry:
         job = self.jobs[e.request.id]
         return pb.StepEntry(
             id=e.request.id, input_ids=e.request.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
             sample=e.sample, cached_tokens=e.start, parameters=job.parameters if e.first else None,
+            prompt_tokens=len(e.request.prompt_ids) if e.first else 0,
         )
 
     async def _retire(self) -> None:
@@ -115,6 +119,8 @@ class Engine:
                     metrics.generated_tokens.observe(len(job.tokens))
                     metrics.request_duration.observe(job.finished_at - job.queued_at)
                     metrics.queue_duration.observe(job.first_token_at - job.queued_at)
+                    metrics.inference_duration.observe(job.finished_at - job.first_token_at)
+                    metrics.time_per_token.observe((job.finished_at - job.queued_at) / max(1, len(job.tokens)))
         if self.to_filter:
             ids, self.to_filter = self.to_filter, []
             try:

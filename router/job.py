@@ -15,6 +15,7 @@ class Token:
     text: str
     logprob: float
     special: bool
+    top_tokens: list["Token"] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finish_reason: Optional[str] = None
     cancelled: bool = False
+    prefill_logprobs: list[float] = field(default_factory=list)
+    arrived_at: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
@@ -37,14 +40,23 @@ class Job:
     def id(self) -> int:
         return self.request.id
 
-    def on_token(self, token_id: int, logprob: float) -> None:
+    def on_prefill(self, logprobs) -> None:
+        """Prompt-token logprobs arrive chunk by chunk; a recomputation after a soft reset adds nothing."""
+        room = len(self.request.prompt_ids) - len(self.prefill_logprobs)
+        self.prefill_logprobs.extend(list(logprobs)[:max(0, room)])
+
+    def on_token(self, g: pb.Generation) -> None:
         """Records a sampled token, decides whether the request is finished, and streams the token."""
         req = self.request
+        token_id = g.token_id
         req.generated.append(token_id)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         piece = self.detokenizer.add(token_id)
-        token = Token(token_id, piece, logprob, token_id in self.special_ids)
+        decode = self.detokenizer.tokenizer.decode
+        top = [Token(t.token_id, decode([t.token_id]), t.logprob, t.token_id in self.special_ids)
+               for t in g.top_tokens]
+        token = Token(token_id, piece, g.logprob, token_id in self.special_ids, top)
         self.tokens.append(token)
         if token_id in self.eos_ids:
             self.finish_reason = "eos_token"

@@ -9,6 +9,14 @@ generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens p
                              buckets=[1, 8, 32, 64, 128, 256, 512, 1024, 2048], registry=registry)
 request_duration = Histogram("tgi_request_duration", "End-to-end request seconds", registry=registry,
                              buckets=[0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300])
+validation_duration = Histogram("tgi_request_validation_duration", "Validation seconds", registry=registry,
+                                buckets=[0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1])
+input_length = Histogram("tgi_request_input_length", "Prompt tokens per request", registry=registry,
+                         buckets=[8, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+inference_duration = Histogram("tgi_request_inference_duration", "Seconds from first scheduled step to the end",
+                               registry=registry, buckets=[0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300])
+time_per_token = Histogram("tgi_request_mean_time_per_token_duration", "Mean seconds per generated token",
+                           registry=registry, buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5])
 queue_duration = Histogram("tgi_request_queue_duration", "Seconds from arrival to first token",
                            registry=registry, buckets=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
 forward_duration = Histogram("tgi_batch_forward_duration", "Shard forward seconds per step", ["method"],

@@ -1,4 +1,5 @@
 """The HTTP app: TGI's routes (/generate, /generate_stream, /health, /info, /metrics) and error shape."""
+import asyncio
 import json
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -11,6 +12,7 @@ from router import metrics
 from router.job import Job, Token
 from router.openai_api import install_openai_routes, openai_error
 from router.service import APIError, Service
+from router.shards import ShardError
 from router.validation import GenerateRequest
 
 
@@ -38,17 +40,36 @@ def details_json(job: Job) -> dict:
     }
 
 
+def full_details_json(job: Job, svc: Service, body: GenerateRequest) -> dict:
+    out = {k: v for k, v in details_json(job).items() if k != "input_length"}
+    out["prefill"] = []
+    if body.parameters.decoder_input_details:
+        ids = job.request.prompt_ids
+        out["prefill"] = [{"id": i, "text": svc.tokenizer.decode([i]), "logprob": None if lp != lp else lp}
+                          for i, lp in zip(ids, job.prefill_logprobs)]
+    out["tokens"] = [token_json(t) for t in job.tokens]
+    if body.parameters.top_n_tokens:
+        out["top_tokens"] = [[token_json(x) for x in t.top_tokens] for t in job.tokens]
+    return out
+
+
 def sse(obj: dict) -> str:
     return f"data:{json.dumps(obj)}\n\n"
 
 
-def timing_headers(job: Job) -> dict:
-    total = (job.finished_at or job.queued_at) - job.queued_at
-    first = (job.first_token_at or job.queued_at) - job.queued_at
-    per_token = (total - first) / max(1, len(job.tokens) - 1)
+def timing_headers(job: Job, svc: Service, body: GenerateRequest) -> dict:
+    """TGI's x-* headers (durations in milliseconds)."""
+    end = job.finished_at or job.queued_at
+    first = job.first_token_at or end
+    ms = lambda s: str(int(s * 1000))  # noqa: E731
     return {
-        "x-compute-time": f"{total:.6f}", "x-time-per-token": f"{per_token * 1000:.3f}",
-        "x-queue-time": f"{first * 1000:.3f}", "x-generated-tokens": str(len(job.tokens)),
+        "x-compute-type": svc.info.get("model_device_type", "cpu"),
+        "x-compute-time": f"{end - job.queued_at:.6f}",
+        "x-compute-characters": str(len(body.inputs) if isinstance(body.inputs, str) else 0),
+        "x-total-time": ms(end - job.arrived_at), "x-validation-time": ms(job.queued_at - job.arrived_at),
+        "x-queue-time": ms(first - job.queued_at), "x-inference-time": ms(end - first),
+        "x-time-per-token": ms((end - job.queued_at) / max(1, len(job.tokens))),
+        "x-prompt-tokens": str(len(job.request.prompt_ids)), "x-generated-tokens": str(len(job.tokens)),
     }
 
 
@@ -75,21 +96,19 @@ def install_routes(app: FastAPI, svc: Service) -> None:
             text = body.inputs + text
         return text
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, http: HttpRequest):
+    async def generate_json(body: GenerateRequest, http: HttpRequest):
         job = svc.start(body)
         async for kind, payload in svc.events(job, http):
             if kind == "error":
-                return error(424, payload, "generation")
+                raise APIError(424, payload, "generation")
         if job.finish_reason is None:
-            return error(499, "client closed the request", "cancelled")
+            raise APIError(499, "client closed the request", "cancelled")
         out = {"generated_text": final_text(job, body)}
         if body.parameters.details:
-            out["details"] = {**details_json(job), "tokens": [token_json(t) for t in job.tokens]}
-        return JSONResponse(out, headers=timing_headers(job))
+            out["details"] = full_details_json(job, svc, body)
+        return out, timing_headers(job, svc, body)
 
-    @app.post("/generate_stream")
-    async def generate_stream(body: GenerateRequest):
+    def stream_response(body: GenerateRequest) -> StreamingResponse:
         job = svc.start(body)
 
         async def stream():
@@ -100,18 +119,48 @@ def install_routes(app: FastAPI, svc: Service) -> None:
                 elif kind == "token":
                     index += 1
                     last = job.finish_reason is not None and job.events.qsize() == 1
+                    top = [token_json(t) for t in payload.top_tokens] if body.parameters.top_n_tokens else None
                     yield sse({
-                        "index": index, "token": token_json(payload), "top_tokens": None,
+                        "index": index, "token": token_json(payload), "top_tokens": top,
                         "generated_text": final_text(job, body) if last else None,
                         "details": details_json(job) if last else None,
                     })
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, http: HttpRequest):
+        out, headers = await generate_json(body, http)
+        return JSONResponse(out, headers=headers)
+
+    @app.post("/generate_stream")
+    async def generate_stream(body: GenerateRequest):
+        return stream_response(body)
+
+    @app.post("/")
+    async def compat_generate(body: GenerateRequest, http: HttpRequest):
+        """TGI's compat route: `stream` picks SSE; otherwise a JSON list of one response."""
+        if body.stream:
+            return stream_response(body)
+        out, headers = await generate_json(body, http)
+        return JSONResponse([out], headers=headers)
+
+    @app.post("/tokenize")
+    async def tokenize(body: GenerateRequest):
+        if not isinstance(body.inputs, str) or not body.inputs:
+            raise APIError(422, "`inputs` must be a non-empty string", "validation")
+        enc = svc.tokenizer(body.inputs, return_offsets_mapping=True)
+        return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
+                for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+
     @app.get("/health")
     async def health():
         if svc.draining:
             return error(503, "the server is shutting down", "unhealthy")
+        try:
+            await asyncio.wait_for(svc.engine.shards.health(), timeout=5)
+        except (ShardError, asyncio.TimeoutError) as e:
+            return error(503, f"a shard is unhealthy: {e}", "unhealthy")
         return JSONResponse({})
 
     @app.get("/info")

@@ -1,6 +1,7 @@
 """What every HTTP surface (TGI's, OpenAI's) shares: admission, validation, submission, and following a
 job's events while noticing when the client goes away."""
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -32,6 +33,7 @@ class Service:
 
     def start(self, body: GenerateRequest) -> Job:
         """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid)."""
+        arrived = time.monotonic()
         metrics.requests.inc()
         if self.draining:
             metrics.outcomes.labels("unhealthy").inc()
@@ -49,8 +51,10 @@ class Service:
             parameters=v.sampling,
             detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
             eos_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,
-            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed,
+            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed, arrived_at=arrived,
         )
+        metrics.validation_duration.observe(job.queued_at - arrived)
+        metrics.input_length.observe(len(v.input_ids))
         self.engine.submit(job)
         return job
 

@@ -13,13 +13,19 @@ class Parameters(BaseModel):
     temperature: Optional[float] = None
     top_k: Optional[int] = None
     top_p: Optional[float] = None
+    typical_p: Optional[float] = None
     do_sample: bool = False
     seed: Optional[int] = None
     repetition_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     stop: list[str] = Field(default_factory=list)
     details: bool = False
+    decoder_input_details: bool = False
     return_full_text: bool = False
+    truncate: Optional[int] = None
+    top_n_tokens: Optional[int] = None
+    best_of: Optional[int] = None
+    watermark: bool = False
     ignore_eos: bool = Field(False, description="cb extension (as vLLM): keep generating past EOS")
 
 
@@ -39,6 +45,7 @@ class Limits:
     max_total_tokens: int
     vocab_size: int
     max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
 
 
 @dataclass
@@ -50,31 +57,53 @@ class Validated:
     seed: Optional[int]
 
 
-def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
-    p = req.parameters
-    if isinstance(req.inputs, str):
-        if not req.inputs:
-            raise ValidationError("`inputs` cannot be empty")
-        ids = tokenizer(req.inputs, add_special_tokens=True)["input_ids"]
-    else:
-        ids = req.inputs
-        if not ids:
-            raise ValidationError("`inputs` cannot be empty")
-        if min(ids) < 0 or max(ids) >= limits.vocab_size:
-            raise ValidationError(f"`inputs` token ids must be in [0, {limits.vocab_size})")
+def _check_parameters(p: Parameters, limits: Limits) -> None:
+    """TGI's rules, with TGI's messages."""
+    if p.best_of is not None and p.best_of > 1:
+        raise ValidationError("`best_of` > 1 is not supported: send several requests with different seeds")
+    if p.watermark:
+        raise ValidationError("`watermark` is not supported")
     if p.temperature is not None and p.temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
-    if p.top_k is not None and p.top_k <= 0:
-        raise ValidationError("`top_k` must be strictly positive")
-    if p.top_p is not None and not 0 < p.top_p <= 1:
-        raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
     if p.repetition_penalty is not None and p.repetition_penalty <= 0:
         raise ValidationError("`repetition_penalty` must be strictly positive")
     if p.frequency_penalty is not None and not -2 <= p.frequency_penalty <= 2:
         raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if p.top_p is not None and not 0 < p.top_p <= 1:
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0 < p.typical_p <= 1:
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
     if len(p.stop) > limits.max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
                               f"Given: {len(p.stop)}")
+    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= limits.max_top_n_tokens:
+        raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                              f"Given: {p.top_n_tokens}")
+    if p.truncate is not None and not 0 < p.truncate <= limits.max_input_tokens:
+        raise ValidationError(f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
+                              f"Given: {p.truncate}")
+
+
+def _input_ids(req: GenerateRequest, tokenizer, limits: Limits) -> list[int]:
+    if isinstance(req.inputs, str):
+        if not req.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        return tokenizer(req.inputs, add_special_tokens=True)["input_ids"]
+    if not req.inputs:
+        raise ValidationError("`inputs` cannot be empty")
+    if min(req.inputs) < 0 or max(req.inputs) >= limits.vocab_size:
+        raise ValidationError(f"`inputs` token ids must be in [0, {limits.vocab_size})")
+    return list(req.inputs)
+
+
+def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
+    p = req.parameters
+    _check_parameters(p, limits)
+    ids = _input_ids(req, tokenizer, limits)
+    if p.truncate is not None:
+        ids = ids[-p.truncate:]
     if len(ids) > limits.max_input_tokens:
         raise ValidationError(f"`inputs` tokens must be <= {limits.max_input_tokens}. Given: {len(ids)}")
     max_new = p.max_new_tokens if p.max_new_tokens is not None else limits.max_total_tokens - len(ids)
@@ -83,13 +112,15 @@ def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
     if len(ids) + max_new > limits.max_total_tokens:
         raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
                               f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
-    sampling = (p.do_sample or (p.temperature not in (None, 1.0)) or bool(p.top_k)
-                or (p.top_p not in (None, 1.0)))
+    sampling = (p.do_sample or p.temperature not in (None, 1.0) or bool(p.top_k)
+                or p.top_p not in (None, 1.0) or p.typical_p not in (None, 1.0))
     seed = None
     if sampling:
         seed = p.seed if p.seed is not None else random.randrange(2**63)
     params = pb.SamplingParameters(
-        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, do_sample=sampling,
-        seed=seed or 0, repetition_penalty=p.repetition_penalty or 1.0, frequency_penalty=p.frequency_penalty or 0.0,
+        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        do_sample=sampling, seed=seed or 0, repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0, top_n_tokens=p.top_n_tokens or 0,
+        prefill_logprobs=p.decoder_input_details,
     )
-    return Validated(list(ids), max_new, params, list(p.stop), seed)
+    return Validated(ids, max_new, params, list(p.stop), seed)

@@ -5,6 +5,7 @@ table and the number of cached tokens (and the token history, for penalties).
 """
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -19,9 +20,15 @@ from shard.sampling import Params, sample
 @dataclass
 class RequestState:
     params: Params
+    prompt_tokens: int = 0
+    prefill_logprobs: bool = False
     blocks: list[int] = field(default_factory=list)
     cached: int = 0
     history: list[int] = field(default_factory=list)
+    pending_row: Optional[torch.Tensor] = None  # last prompt row's logits, scoring the next chunk's first token
+
+    def wants_prefill_logprobs(self, n: int) -> bool:
+        return self.prefill_logprobs and self.cached < self.prompt_tokens and n > 0
 
 
 class StepError(Exception):
@@ -53,10 +60,10 @@ class Runner:
         self.requests.clear()
 
     @torch.inference_mode()
-    def step(self, entries) -> tuple[list[tuple[int, int, float]], int]:
-        """entries: proto StepEntry list. Returns ([(id, token, logprob)], forward nanoseconds)."""
+    def step(self, entries) -> tuple[list[pb.Generation], list[pb.PrefillLogprobs], int]:
+        """entries: proto StepEntry list. Returns (generations, prompt logprobs, forward nanoseconds)."""
         states = [self._state(e) for e in entries]
-        ids, positions, slots, sample_rows = [], [], [], []
+        ids, positions, slots, keep = [], [], [], []
         decode, chunks = [], []
         offset = 0
         for e, st in zip(entries, states):
@@ -67,9 +74,11 @@ class Runner:
             positions.append(pos)
             slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
             (decode if n == 1 else chunks).append((offset, n, st))
+            if st.wants_prefill_logprobs(n):
+                keep.extend(range(offset, offset + n))
+            elif e.sample:
+                keep.append(offset + n - 1)
             offset += n
-            if e.sample:
-                sample_rows.append(offset - 1)
         layout = StepLayout(
             slots=torch.cat(slots).to(self.device),
             groups=[self._group(g) for g in (decode, chunks) if g],
@@ -81,28 +90,56 @@ class Runner:
             out = self.model(
                 input_ids=torch.cat(ids).unsqueeze(0).to(self.device),
                 position_ids=torch.cat(positions).unsqueeze(0).to(self.device),
-                logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                 use_cache=False,
             )
         finally:
             attention.set_step(None)
+        logits = out.logits[0]
+        row_of = {k: i for i, k in enumerate(keep)}
+        prefill, sampled, offset = [], [], 0
         for e, st in zip(entries, states):
-            st.cached += len(e.input_ids)
+            n = len(e.input_ids)
+            if st.wants_prefill_logprobs(n) and self.rank == 0:
+                prefill.append(pb.PrefillLogprobs(id=e.id, logprobs=self._prompt_logprobs(
+                    st, e.input_ids, logits[row_of[offset]:row_of[offset + n - 1] + 1])))
+            if e.sample:
+                sampled.append((e, st, row_of[offset + n - 1]))
+            st.cached += n
             if st.params.penalized:
                 st.history.extend(e.input_ids)
-        sampled = [(e, st) for e, st in zip(entries, states) if e.sample]
-        results = []
+            offset += n
+        generations = []
         if self.rank == 0 and sampled:
-            picks = sample(out.logits[0], [st.params for _, st in sampled],
-                           [self._history(st) for _, st in sampled], [st.cached for _, st in sampled])
-            results = [(e.id, tok, lp) for (e, _), (tok, lp) in zip(sampled, picks)]
+            picks = sample(logits[[r for _, _, r in sampled]], [st.params for _, st, _ in sampled],
+                           [self._history(st) for _, st, _ in sampled], [st.cached for _, st, _ in sampled])
+            generations = [
+                pb.Generation(id=e.id, token_id=tok, logprob=lp,
+                              top_tokens=[pb.TopToken(token_id=t, logprob=v) for t, v in top])
+                for (e, _, _), (tok, lp, top) in zip(sampled, picks)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return results, time.perf_counter_ns() - start
+        return generations, prefill, time.perf_counter_ns() - start
+
+    def _prompt_logprobs(self, st: RequestState, input_ids, rows: torch.Tensor) -> list[float]:
+        """Row j scores token j+1; the previous chunk's last row scores this chunk's first token."""
+        rows = rows.float()
+        targets = torch.tensor(list(input_ids), device=rows.device)
+        scored = []
+        if st.pending_row is not None:
+            scored.append(float(st.pending_row.log_softmax(-1)[targets[0]]))
+        elif st.cached == 0:
+            scored.append(float("nan"))
+        inner = rows[:-1].log_softmax(-1).gather(1, targets[1:, None])[:, 0]
+        scored.extend(inner.tolist())
+        more_prompt = st.cached + len(targets) < st.prompt_tokens
+        st.pending_row = rows[-1].clone() if more_prompt else None
+        return scored
 
     def _state(self, e) -> RequestState:
         if e.HasField("parameters"):
-            self.requests[e.id] = RequestState(Params.from_proto(e.parameters))
+            self.requests[e.id] = RequestState(Params.from_proto(e.parameters), e.prompt_tokens,
+                                               e.parameters.prefill_logprobs)
         st = self.requests.get(e.id)
         if st is None:
             raise StepError(f"request {e.id} is not known to this shard")

@@ -17,11 +17,13 @@ class Params:
     seed: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    typical_p: float = 1.0
+    top_n_tokens: int = 0
 
     @classmethod
     def from_proto(cls, p) -> "Params":
         return cls(p.temperature or 1.0, p.top_k, p.top_p or 1.0, p.do_sample, p.seed,
-                   p.repetition_penalty or 1.0, p.frequency_penalty)
+                   p.repetition_penalty or 1.0, p.frequency_penalty, p.typical_p or 1.0, p.top_n_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -44,8 +46,8 @@ def apply_penalties(logits: torch.Tensor, history: torch.Tensor, p: Params) -> t
     return logits
 
 
-def sample_one(logits: torch.Tensor, p: Params, position: int) -> tuple[int, float]:
-    """Samples from one row of float32 logits; returns (token, logprob under the warped distribution)."""
+def warp(logits: torch.Tensor, p: Params) -> torch.Tensor:
+    """Temperature, top-k, top-p and typical-p, in HF's order, on one row of float32 logits."""
     logits = logits / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
@@ -55,14 +57,25 @@ def sample_one(logits: torch.Tensor, p: Params, position: int) -> tuple[int, flo
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= p.top_p
         logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
-    logprobs = logits.log_softmax(-1)
-    gen = torch.Generator(device=logits.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
-    token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
-    return token, float(logprobs[token])
+    if p.typical_p < 1.0:
+        logprobs = logits.log_softmax(-1)
+        entropy = -(logprobs.exp() * logprobs).nansum()
+        surprise = (-logprobs - entropy).abs()
+        sorted_surprise, order = torch.sort(surprise)
+        cum = logprobs.exp()[order].cumsum(-1)
+        keep = int((cum < p.typical_p).sum()) + 1
+        logits = logits.index_put((order[keep:],), torch.tensor(float("-inf")))
+    return logits
+
+
+def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
+    gen = torch.Generator(device=logprobs.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
+    return int(torch.multinomial(logprobs.exp(), 1, generator=gen))
 
 
 def sample(logits: torch.Tensor, params: list[Params], histories: list, positions: list[int]):
-    """logits [S, V] -> list of (token, logprob)."""
+    """logits [S, V] -> list of (token, logprob, [(top token, logprob)]); logprobs are those of the
+    distribution the token was drawn from (after penalties and warpers)."""
     logits = logits.float()
     for i, p in enumerate(params):
         if p.penalized:
@@ -71,9 +84,15 @@ def sample(logits: torch.Tensor, params: list[Params], histories: list, position
     greedy = logits.argmax(-1)
     out = []
     for i, p in enumerate(params):
+        row = logprobs[i]
         if p.greedy:
-            t = int(greedy[i])
-            out.append((t, float(logprobs[i, t])))
+            token = int(greedy[i])
         else:
-            out.append(sample_one(logits[i], p, positions[i]))
+            row = warp(logits[i], p).log_softmax(-1)
+            token = sample_one(row, p, positions[i])
+        top = []
+        if p.top_n_tokens:
+            values, indices = torch.topk(row, p.top_n_tokens)
+            top = list(zip(indices.tolist(), values.tolist()))
+        out.append((token, float(row[token]), top))
     return out

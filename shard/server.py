@@ -57,12 +57,10 @@ class ShardService(pb_grpc.ShardServicer):
 
     def _step(self, request, context):
         try:
-            results, ns = self.runner.step(request.entries)
+            generations, prefill, ns = self.runner.step(request.entries)
         except StepError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return pb.StepResponse(
-            generations=[pb.Generation(id=i, token_id=t, logprob=lp) for i, t, lp in results], forward_ns=ns,
-        )
+        return pb.StepResponse(generations=generations, prefill=prefill, forward_ns=ns)
 
     Prefill = _step
     Decode = _step

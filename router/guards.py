@@ -1,0 +1,56 @@
+"""Checks made before a request reaches a route: the API key and the payload limit (pure ASGI, so streaming
+responses and disconnect detection pass through untouched)."""
+import json
+from typing import Optional
+
+OPEN_PATHS = {"/health", "/metrics", "/info"}
+
+
+class Guards:
+    def __init__(self, app, api_key: Optional[str], payload_limit: int):
+        self.app = app
+        self.api_key = api_key
+        self.payload_limit = payload_limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+                return await _refuse(send, scope, 401, "Unauthorized: a valid `Authorization: Bearer` key is required",
+                                     "authentication")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.payload_limit:
+            return await _refuse(send, scope, 413, f"Payload too large: the limit is {self.payload_limit} bytes",
+                                 "payload_too_large")
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.payload_limit:
+                raise PayloadTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except PayloadTooLarge:
+            await _refuse(send, scope, 413, f"Payload too large: the limit is {self.payload_limit} bytes",
+                          "payload_too_large")
+
+
+class PayloadTooLarge(Exception):
+    pass
+
+
+async def _refuse(send, scope, status: int, message: str, kind: str) -> None:
+    if scope["path"].startswith("/v1/"):
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    else:
+        body = {"error": message, "error_type": kind}
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw})
