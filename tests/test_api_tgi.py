@@ -129,3 +129,12 @@ def test_api_key_and_payload_limit(guarded):
     big = {"inputs": "x" * 5000, "parameters": {"max_new_tokens": 2}}
     r = httpx.post(url + "/generate", json=big, headers={"Authorization": "Bearer s3cret"}, timeout=60)
     assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
+
+
+def test_non_streaming_client_that_leaves_is_cancelled(server):
+    cancelled_before = _outcome(server.url, "cancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", timeout=2,
+                   json={"inputs": SHORT[5], "parameters": {"max_new_tokens": 400, "ignore_eos": True}})
+    assert_idle(server.url, timeout=60)
+    assert _outcome(server.url, "cancelled") == cancelled_before + 1
