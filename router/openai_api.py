@@ -23,7 +23,7 @@ from router.validation import GenerateRequest, Parameters
 OPENAI_TYPES = {422: "invalid_request_error", 400: "invalid_request_error", 401: "authentication_error",
                 404: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 424: "server_error"}
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
-MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's own limits
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's own limits (the router's may be lower)
 
 
 def openai_error(status: int, message: str, kind: str, param: Optional[str] = None) -> JSONResponse:
@@ -176,6 +176,10 @@ def completion_prompt(req: CompletionRequest) -> Union[str, list[int]]:
     return p
 
 
+def max_top_logprobs(svc: Service, route: str) -> int:
+    return min(MAX_TOP_LOGPROBS[route], getattr(svc.limits, "max_top_n_tokens", MAX_TOP_LOGPROBS[route]))
+
+
 def start(svc: Service, inputs, parameters: Parameters, prompt_field: str) -> Job:
     """svc.start, with TGI's field names in validation messages renamed to this API's."""
     try:
@@ -183,8 +187,7 @@ def start(svc: Service, inputs, parameters: Parameters, prompt_field: str) -> Jo
     except APIError as e:
         message = e.message
         if e.kind == "validation":
-            for tgi, ours in (("`max_new_tokens`", "`max_tokens`"), ("`inputs`", f"`{prompt_field}`"),
-                              ("`top_n_tokens`", "`top_logprobs`")):
+            for tgi, ours in (("`max_new_tokens`", "`max_tokens`"), ("`inputs`", f"`{prompt_field}`")):
                 message = message.replace(tgi, ours)
         raise OpenAIError(e.status, message, e.kind) from e
 
@@ -353,8 +356,8 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: HttpRequest):
         if req.top_logprobs is not None:
-            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS["chat"]:
-                raise invalid(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS['chat']}]", "top_logprobs")
+            if not 0 <= req.top_logprobs <= (most := max_top_logprobs(svc, "chat")):
+                raise invalid(f"`top_logprobs` must be in [0, {most}]", "top_logprobs")
             if req.top_logprobs and not req.logprobs:
                 raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
@@ -383,8 +386,8 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: HttpRequest):
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS["completions"]:
-            raise invalid(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS['completions']}]", "logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= (most := max_top_logprobs(svc, "completions")):
+            raise invalid(f"`logprobs` must be in [0, {most}]", "logprobs")
         top_n = req.logprobs or 0
         params = to_parameters(req, req.max_tokens, top_n)
         prompt = completion_prompt(req)

@@ -210,6 +210,8 @@ BAD = {
     "empty messages": ("chat", {"messages": []}, "messages"),
     "image content": ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     "top_logprobs without logprobs": ("chat", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs 21": ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "logprobs 6": ("completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),
     "missing messages": ("chat", {}, "messages"),
     "wrong type": ("chat", {"messages": CHAT, "max_tokens": "many"}, "max_tokens"),
 }
