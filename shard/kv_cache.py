@@ -3,7 +3,6 @@
 One tensor holds every layer's keys and values: [layers, 2, kv_heads, num_blocks, block_size, head_dim]
 (head-major, so a request's gathered blocks are contiguous per head). Block b of every layer belongs to the
 same request, so the router's block table addresses all layers at once.
-A CPU swap pool of the same block shape receives offloaded blocks.
 """
 import torch
 
@@ -23,22 +22,9 @@ def free_memory(device: torch.device, local_world_size: int) -> int:
 
 
 class KVCache:
-    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, swap_blocks=0):
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
         shape = (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
-        self.swap = None
-        if swap_blocks:
-            pin = device.type == "cuda"
-            self.swap = torch.zeros((num_layers, 2, kv_heads, swap_blocks, block_size, head_dim), dtype=dtype,
-                                    pin_memory=pin)
-
-    def offload(self, device_blocks: list[int], swap_slots: list[int]) -> None:
-        idx = torch.tensor(device_blocks, device=self.data.device)
-        self.swap[:, :, :, swap_slots] = self.data[:, :, :, idx].to("cpu", non_blocking=True)
-
-    def restore(self, swap_slots: list[int], device_blocks: list[int]) -> None:
-        idx = torch.tensor(device_blocks, device=self.data.device)
-        self.data[:, :, :, idx] = self.swap[:, :, :, swap_slots].to(self.data.device, non_blocking=True)

@@ -46,11 +46,11 @@ class Runner:
         self.cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
 
-    def allocate(self, num_blocks: int, swap_blocks: int = 0) -> None:
+    def allocate(self, num_blocks: int) -> None:
         m = self.loaded
-        self.cache = None
+        self.cache = None  # the old pool is freed before the new one is allocated
         self.cache = KVCache(m.num_layers, num_blocks, self.block_size, m.kv_heads, m.head_dim,
-                             self.model.dtype, self.device, swap_blocks)
+                             self.model.dtype, self.device)
 
     def filter(self, remove_ids) -> None:
         for i in remove_ids:

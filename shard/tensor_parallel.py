@@ -74,12 +74,6 @@ def shard_model(model: nn.Module, rank: int, world: int) -> int:
     return local_kv
 
 
-def broadcast_object(obj, src: int = 0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def init_process_group(rank: int, world: int, addr: str, port: int, device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
