@@ -81,7 +81,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(Common):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
+    logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
@@ -306,6 +306,9 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
     def model_name() -> str:
         return str(svc.info.get("model_id", "cb"))
 
+    def fingerprint() -> str:
+        return f"cb-{svc.info.get('version', '0')}"
+
     def model_card() -> dict:
         return {"id": model_name(), "object": "model", "created": started, "owned_by": "cb",
                 "max_model_len": svc.info.get("max_total_tokens")}
@@ -333,7 +336,7 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
         """SSE for a streamed job: `chunk(delta_text, tokens, finish_reason)` shapes each choice; `kind_of` is
         (id prefix, object)."""
         base = {"id": job_id(job, kind_of[0]), "object": kind_of[1], "created": int(time.time()),
-                "model": model_name()}
+                "model": model_name(), "system_fingerprint": fingerprint()}
         text = TextStream(stop)
         if first is not None:
             yield sse({**base, "choices": [first]})
@@ -374,7 +377,7 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
                      "finish_reason": None}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream(job, params.stop, ("chatcmpl", "chat.completion.chunk"), chunk,
-                                            req.logprobs, include_usage, first), media_type="text/event-stream")
+                                            bool(req.logprobs), include_usage, first), media_type="text/event-stream")
 
         await run(job, http)
         choice = {"index": 0, "message": {"role": "assistant", "content": cut_at_stop(svc.text(job), params.stop)},
@@ -382,7 +385,7 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
                   "finish_reason": FINISH_REASONS.get(job.finish_reason, "stop")}
         return JSONResponse({"id": job_id(job, "chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                              "model": model_name(), "choices": [choice], "usage": usage(job),
-                             "system_fingerprint": None})
+                             "system_fingerprint": fingerprint()})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: HttpRequest):
@@ -415,4 +418,4 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
                   "finish_reason": FINISH_REASONS.get(job.finish_reason, "stop")}
         return JSONResponse({"id": job_id(job, "cmpl"), "object": "text_completion", "created": int(time.time()),
                              "model": model_name(), "choices": [choice], "usage": usage(job),
-                             "system_fingerprint": None})
+                             "system_fingerprint": fingerprint()})
