@@ -63,6 +63,8 @@ def _check_parameters(p: Parameters, limits: Limits) -> None:
         raise ValidationError("`best_of` > 1 is not supported: send several requests with different seeds")
     if p.watermark:
         raise ValidationError("`watermark` is not supported")
+    if p.seed is not None and not 0 <= p.seed < 2**64:
+        raise ValidationError("`seed` must be an unsigned 64-bit integer")
     if p.temperature is not None and p.temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
     if p.repetition_penalty is not None and p.repetition_penalty <= 0:

@@ -21,6 +21,10 @@ BAD = {
     "top_p above 1": {"inputs": "hello", "parameters": {"top_p": 1.5}},
     "token id out of vocabulary": {"inputs": [1, 99999999], "parameters": {"max_new_tokens": 5}},
     "missing inputs": {"parameters": {"max_new_tokens": 5}},
+    "negative seed": {"inputs": "hello", "parameters": {"do_sample": True, "seed": -1}},
+    "best_of 2": {"inputs": "hello", "parameters": {"best_of": 2}},
+    "too many stop sequences": {"inputs": "hello", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
+    "top_n_tokens beyond limit": {"inputs": "hello", "parameters": {"top_n_tokens": 50}},
     "wrong type": {"inputs": "hello", "parameters": {"max_new_tokens": "many"}},
 }
 
