@@ -10,7 +10,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import metrics
 from router.job import Job, Token
-from router.openai_api import install_openai_routes, openai_error
+from router.openai_api import install_openai_routes
+from router.openai_schemas import openai_error
 from router.service import APIError, Service
 from router.shards import ShardError
 from router.validation import GenerateRequest
