@@ -1,263 +1,213 @@
-"""cb-bench: replay the shared W64 workload through a running cb server and report throughput/latency.
+"""cb-bench: load a running cb server (or one it launches) with a workload and report throughput and latency.
 
-Every system under comparison replays the same workload.json (same prompts, same max_new_tokens,
-EOS ignored), so numbers are comparable. The optional "ceiling" measures what plain transformers can
-do on this machine for one decode step / one prefill, to put the server's throughput in context.
+Workloads: the shared W64 file (replayed exactly: token ids, forced output lengths), `random` (vLLM's random
+dataset) or a text file of prompts; every request ignores EOS, so every system does the same work. Arrivals: all
+at once (`--request-rate inf`), Poisson or fixed at a rate, optionally capped by `--max-concurrency`; `--sweep`
+runs several rates. `--baseline static|transformers-cb` replays the same workload and arrivals in-process through
+HF `generate` in static padded batches or transformers' own continuous batching, and prints them side by side.
 """
 from __future__ import annotations
 
-import asyncio
 import json
+import math
 import shlex
-import signal
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-import httpx
 import typer
 
-DEFAULT_WORKLOAD = Path(__file__).resolve().parents[1].parent / "shared/bench/workload.json"
+from launcher import baselines, bench_client, bench_stats
+from launcher.bench_server import launch_server, stop_server
+from launcher.bench_stats import percentile, summarize  # noqa: F401  (re-exported: older scripts import them)
+from launcher.workloads import (DEFAULT_WORKLOAD, Req, arrival_times, describe, load_w64, parse_rate,
+                                random_workload, text_workload)
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
 
 def load_workload(path: Path) -> list[dict]:
-    """Read the canonical workload; fail early on a malformed file rather than mid-run."""
-    reqs = json.loads(Path(path).read_text())["requests"]
-    for r in reqs:
-        if not r["prompt_ids"] or int(r["max_new_tokens"]) < 1:
-            raise ValueError(f"bad request in workload: id={r.get('id')}")
-    return reqs
+    """The raw W64 requests (kept for scripts written against the first cb-bench)."""
+    return [{"id": r.id, "prompt_ids": r.prompt_ids, "max_new_tokens": r.max_new_tokens} for r in load_w64(path)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), so p50 of an even list is the midpoint."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-async def one_request(client: httpx.AsyncClient, url: str, req: dict, sem: asyncio.Semaphore) -> dict:
-    """Stream one request; timestamps are taken on arrival of each SSE token event."""
-    body = {"inputs": req["prompt_ids"],
-            "parameters": {"max_new_tokens": req["max_new_tokens"], "ignore_eos": True, "details": True}}
-    rec = {"id": req["id"], "prompt_tokens": len(req["prompt_ids"]), "max_new_tokens": req["max_new_tokens"],
-           "tokens": 0, "ttft": None, "itl": [], "e2e": None, "finish_reason": None,
-           "generated_tokens": None, "error": None}
-    async with sem:
-        t0 = time.perf_counter()
-        last = None
+def build_workload(name: str, path: Optional[Path], n: Optional[int], input_len: int, output_len: int,
+                   range_ratio: float, seed: int, model_dir: Optional[str]) -> list[Req]:
+    if name == "w64":
+        reqs = load_w64(path or DEFAULT_WORKLOAD)
+        return reqs[:n] if n else reqs
+    if name == "random":
+        return random_workload(n or 64, input_len, output_len, range_ratio, seed)
+    if name == "text":
+        if path is None:
+            raise typer.BadParameter("--dataset-name text needs --dataset-path (one prompt per line)")
+        tokenizer = None
         try:
-            async with client.stream("POST", f"{url}/generate_stream", json=body) as resp:
-                if resp.status_code != 200:
-                    raw = await resp.aread()
-                    try:
-                        err = json.loads(raw)
-                        rec["error"] = f"{err.get('error_type')}: {err.get('error')}"
-                    except ValueError:
-                        rec["error"] = f"HTTP {resp.status_code}: {raw[:200]!r}"
-                else:
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        now = time.perf_counter()
-                        ev = json.loads(line[5:])
-                        if "error" in ev and ev.get("error") is not None:
-                            rec["error"] = f"{ev.get('error_type')}: {ev['error']}"
-                            break
-                        if ev.get("token") is not None:
-                            rec["tokens"] += 1
-                            if last is None:
-                                rec["ttft"] = now - t0
-                            else:
-                                rec["itl"].append(now - last)
-                            last = now
-                        if ev.get("generated_text") is not None:
-                            details = ev.get("details") or {}
-                            rec["finish_reason"] = details.get("finish_reason")
-                            rec["generated_tokens"] = details.get("generated_tokens")
-        except (httpx.HTTPError, ValueError) as e:
-            rec["error"] = f"{type(e).__name__}: {e}"
-        rec["e2e"] = time.perf_counter() - t0
-    return rec
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(model_dir or _default_model_dir())
+        except Exception as e:  # the server tokenizes anyway; lengths are then unknown here
+            typer.echo(f"no local tokenizer ({e}); prompt lengths will show as 0", err=True)
+        return text_workload(path, output_len, n, tokenizer)
+    raise typer.BadParameter(f"unknown dataset {name!r}: w64, random or text")
 
 
-async def replay(url: str, reqs: list[dict], concurrency: Optional[int]) -> tuple[list[dict], float]:
-    """Fire all requests at once (or capped by a semaphore); wall time spans first send to last finish."""
-    n = concurrency or len(reqs)
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    timeout = httpx.Timeout(3600.0, connect=60.0)
-    sem = asyncio.Semaphore(n)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        t0 = time.perf_counter()
-        recs = await asyncio.gather(*(one_request(client, url, r, sem) for r in reqs))
-        wall = time.perf_counter() - t0
-    return list(recs), wall
+def _default_model_dir() -> str:
+    from launcher.model_files import resolve_model
+    return str(resolve_model("smollm2"))
 
 
-def is_mismatch(rec: dict) -> bool:
-    """A request is wrong if it errored, or the stream or the details disagree with max_new_tokens."""
-    want = rec["max_new_tokens"]
-    return (rec["error"] is not None or rec["tokens"] != want
-            or (rec["generated_tokens"] is not None and rec["generated_tokens"] != want))
+def _rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def summarize(recs: list[dict], wall: float) -> dict:
-    ttft = [r["ttft"] for r in recs if r["ttft"] is not None]
-    itl = [x for r in recs for x in r["itl"]]
-    e2e = [r["e2e"] for r in recs if r["error"] is None]
-    out_tokens = sum(r["tokens"] for r in recs)
-    return {
-        "requests": len(recs), "wall_s": wall,
-        "input_tokens": sum(r["prompt_tokens"] for r in recs),
-        "output_tokens": out_tokens, "expected_output_tokens": sum(r["max_new_tokens"] for r in recs),
-        "output_tok_s": out_tokens / wall, "req_s": len(recs) / wall,
-        "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
-        "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-        "errors": sum(r["error"] is not None for r in recs),
-        "mismatches": sum(is_mismatch(r) for r in recs),
-    }
-
-
-def measure_ceiling(model_dir: str, dtype: str, device: str, batch: int = 64, ctx: int = 256,
-                    prefill_len: int = 512, runs: int = 5) -> dict:
-    """Time bare transformers forwards: the best a server could do without batching overheads."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                 attn_implementation="sdpa").to(device).eval()
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-
-    def timed(fn) -> float:
-        fn()  # warm-up
-        ts = []
-        for _ in range(runs):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
-
-    with torch.inference_mode():
-        # (a) decode: one step of `batch` sequences over a `ctx`-token cache; crop keeps the cache at ctx.
-        ids = torch.randint(100, vocab - 100, (batch, ctx), generator=gen).to(device)
-        cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
-        step = torch.randint(100, vocab - 100, (batch, 1), generator=gen).to(device)
-        mask = torch.ones(batch, ctx + 1, dtype=torch.long, device=device)
-
-        def decode():
-            model(step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.crop(ctx)
-
-        t_dec = timed(decode)
-        del cache
-        # (b) prefill: one sequence of prefill_len tokens, no cache reuse.
-        pids = torch.randint(100, vocab - 100, (1, prefill_len), generator=gen).to(device)
-        t_pre = timed(lambda: model(pids, use_cache=True, logits_to_keep=1))
-    return {"model_dir": str(model_dir), "dtype": dtype, "device": device,
-            "decode_step_s": t_dec, "decode_tok_s": batch / t_dec, "decode_batch": batch, "decode_ctx": ctx,
-            "prefill_s": t_pre, "prefill_tok_s": prefill_len / t_pre, "prefill_len": prefill_len}
-
-
-def launch_server(port: int, dtype: str, extra: list[str], url: str) -> subprocess.Popen:
-    """Start `python -m launcher` and block until /health answers 200 (or the process dies)."""
-    cmd = [sys.executable, "-m", "launcher", "--port", str(port), "--dtype", dtype, *extra]
-    typer.echo(f"launching: {shlex.join(cmd)}")
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"launcher exited with code {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise RuntimeError("server not healthy after 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _outputs(json_out: Optional[Path], result_dir: Optional[Path]) -> tuple[Optional[Path], Optional[Path]]:
+    """(JSON path, prefix for PNGs)."""
+    if result_dir is not None:
+        result_dir.mkdir(parents=True, exist_ok=True)
+        return json_out or result_dir / "result.json", result_dir / "bench"
+    if json_out is not None:
+        return json_out, json_out.with_suffix("")
+    return None, None
 
 
 @app.command()
 def main(
     url: Optional[str] = typer.Option(None, help="Server URL (default http://127.0.0.1:PORT)."),
     port: int = typer.Option(8080, help="Port, used for --launch and the default URL."),
-    workload: Path = typer.Option(DEFAULT_WORKLOAD, help="Workload JSON file."),
-    concurrency: Optional[int] = typer.Option(None, help="Max in-flight requests (default: all at once)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write results as JSON here."),
-    ceiling: bool = typer.Option(True, help="After the replay, measure the bare-transformers forward ceiling."),
-    model_dir: Optional[str] = typer.Option(None, help="Model dir for the ceiling (default: resolve_model('smollm2'))."),
-    dtype: str = typer.Option("bfloat16", help="dtype for the ceiling and for --launch."),
-    device: Optional[str] = typer.Option(None, help="Ceiling device (default: cuda if available, else cpu)."),
+    dataset_name: str = typer.Option("w64", help="w64 (the shared file, exact), random, or text."),
+    dataset_path: Optional[Path] = typer.Option(None, help="text: a file with one prompt per line."),
+    workload: Path = typer.Option(DEFAULT_WORKLOAD, help="The W64 JSON file (--dataset-name w64)."),
+    num_prompts: Optional[int] = typer.Option(None, help="Requests (random: 64; w64/text: the whole file)."),
+    random_input_len: int = typer.Option(128, help="random: mean prompt length."),
+    random_output_len: int = typer.Option(128, help="random: mean output length (forced)."),
+    random_range_ratio: float = typer.Option(0.0, help="random: lengths uniform in len*(1±ratio)."),
+    output_len: int = typer.Option(128, help="text: tokens to generate per prompt (forced)."),
+    seed: int = typer.Option(0, help="Seed of the random dataset and of the arrival process."),
+    request_rate: str = typer.Option("inf", help="Requests per second; inf sends all at once."),
+    arrival: str = typer.Option("poisson", help="Arrival process at a finite rate: poisson or fixed."),
+    burstiness: float = typer.Option(1.0, help="Gamma shape of Poisson gaps (1 = Poisson)."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", "--concurrency",
+                                                  help="Max in-flight requests (default: no cap)."),
+    sweep: Optional[str] = typer.Option(None, help="Comma-separated request rates to run one after another."),
+    goodput: Optional[str] = typer.Option(None, help="SLOs in ms, e.g. 'ttft:500 tpot:100 e2el:20000'."),
+    metric_percentiles: str = typer.Option("50,90,99", help="Percentiles to report."),
+    baseline: list[str] = typer.Option([], help="static and/or transformers-cb (repeatable)."),
+    baseline_batch_size: Optional[int] = typer.Option(None, help="static: group size (default: the server's "
+                                                      "--max-batch-size, at most the number of requests)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the result JSON here (PNGs beside it)."),
+    result_dir: Optional[Path] = typer.Option(None, help="Write result.json and PNG plots into this folder."),
+    plot: bool = typer.Option(True, help="Write PNG plots with the JSON."),
+    progress: bool = typer.Option(True, help="Progress bar on stderr."),
+    ceiling: bool = typer.Option(True, help="After the runs, measure the bare-transformers forward ceiling."),
+    model_dir: Optional[str] = typer.Option(None, help="Model dir for baselines/ceiling (default: the server's)."),
+    dtype: str = typer.Option("bfloat16", help="dtype for baselines, ceiling and --launch."),
+    device: Optional[str] = typer.Option(None, help="Baseline/ceiling device (default: cuda if available)."),
     launch: bool = typer.Option(False, help="Start the server with `python -m launcher` first."),
     launcher_args: str = typer.Option("", help="Extra launcher args (shell-quoted string)."),
+    trace_file: Optional[Path] = typer.Option(None, help="With --launch: the router's step trace goes here "
+                                              "(calibrates cb-sim: `cb-sim --calibrate TRACE`)."),
+    server_log: Optional[Path] = typer.Option(None, help="With --launch: the server's log goes here."),
 ):
     url = (url or f"http://127.0.0.1:{port}").rstrip("/")
-    reqs = load_workload(workload)
-    typer.echo(f"workload: {workload} ({len(reqs)} requests, "
-               f"{sum(len(r['prompt_ids']) for r in reqs)} prompt tokens, "
-               f"{sum(r['max_new_tokens'] for r in reqs)} output tokens)")
-    proc = launch_server(port, dtype, shlex.split(launcher_args), url) if launch else None
+    pcts = tuple(float(x) for x in metric_percentiles.split(","))
+    slos = bench_stats.parse_slos(goodput)
+    rates = [parse_rate(x) for x in sweep.split(",")] if sweep else [parse_rate(request_rate)]
+    path = dataset_path if dataset_name != "w64" else (dataset_path or workload)
+    reqs = build_workload(dataset_name, path, num_prompts, random_input_len, random_output_len,
+                          random_range_ratio, seed, model_dir)
+    typer.echo(f"workload: {dataset_name} {path or ''} ({describe(reqs)})")
+    extra = shlex.split(launcher_args)
+    if launch and trace_file is not None:
+        extra += ["--trace-file", str(trace_file)]
+    proc = launch_server(port, dtype, extra, url, server_log) if launch else None
+    runs: list[dict] = []
     try:
-        recs, wall = asyncio.run(replay(url, reqs, concurrency))
+        info = bench_client.server_info(url)
+        for rate in rates:
+            arrivals = arrival_times(len(reqs), rate, arrival, seed, burstiness)
+            recs, wall = bench_client.run(url, reqs, arrivals, max_concurrency, progress, f"cb @ {_rate_label(rate)}")
+            runs.append({"system": "cb", "rate": rate, "wall_s": wall,
+                         "summary": summarize(recs, wall, pcts, slos), "requests": recs})
+            typer.echo(bench_stats.report(runs[-1]["summary"], pcts, f"cb, rate {_rate_label(rate)}"))
     finally:
         if proc is not None:
-            stop_server(proc)  # also frees the accelerator before the ceiling run
-    s = summarize(recs, wall)
-    typer.echo(f"wall time      {s['wall_s']:.2f} s")
-    typer.echo(f"output tokens  {s['output_tokens']} / {s['expected_output_tokens']}  "
-               f"-> {s['output_tok_s']:.1f} tok/s")
-    typer.echo(f"input tokens   {s['input_tokens']}")
-    typer.echo(f"requests/s     {s['req_s']:.3f}")
-    typer.echo(f"TTFT  p50 {s['ttft_p50_ms']:.1f} ms  p99 {s['ttft_p99_ms']:.1f} ms")
-    typer.echo(f"ITL   p50 {s['itl_p50_ms']:.1f} ms  p99 {s['itl_p99_ms']:.1f} ms")
-    typer.echo(f"E2E   p50 {s['e2e_p50_s']:.2f} s  p99 {s['e2e_p99_s']:.2f} s")
-    typer.echo(f"errors {s['errors']}  mismatches {s['mismatches']}")
-    for r in recs:
-        if is_mismatch(r):
-            typer.echo(f"  id={r['id']} got {r['tokens']}/{r['max_new_tokens']} tokens"
-                       f" details={r['generated_tokens']} error={r['error']}", err=True)
-    result = {"url": url, "workload": str(workload), "summary": s, "requests": recs}
+            stop_server(proc)  # frees the machine for the baselines and the ceiling
+    model_dir = model_dir or info.get("model_id") or _default_model_dir()
+    if baseline:
+        if "transformers-cb" in baseline:
+            typer.echo("transformers-cb: transformers' own continuous batching (init_continuous_batching, the "
+                       "manager behind model.generate_batch), driven per request")
+        block_size = int(info.get("block_size", 16))
+        num_blocks = int(info.get("num_blocks") or -(-32768 // block_size))
+        batch = baseline_batch_size or min(len(reqs), int(info.get("max_batch_size", 64)))
+        for name in baseline:
+            for rate in rates:
+                arrivals = arrival_times(len(reqs), rate, arrival, seed, burstiness)
+                recs, wall = baselines.run(name, reqs, arrivals, model_dir, dtype, device, batch, num_blocks,
+                                           block_size, int(info.get("max_batch_prefill_tokens", 512)), progress)
+                label = f"static b{batch}" if name == "static" else name
+                runs.append({"system": label, "rate": rate, "wall_s": wall,
+                             "summary": summarize(recs, wall, pcts, slos), "requests": recs})
+                typer.echo(bench_stats.report(runs[-1]["summary"], pcts, f"{label}, rate {_rate_label(rate)}"))
+    for rate in rates:
+        same = [(r["system"], r["summary"]) for r in runs if r["rate"] == rate]
+        if len(same) > 1:
+            typer.echo(f"\nside by side, rate {_rate_label(rate)} ({describe(reqs)}):")
+            typer.echo(bench_stats.side_by_side(same))
+    if len(rates) > 1:
+        typer.echo("\nsweep:  system  rate  req/s  out tok/s  TTFT p99 ms  E2E p99 ms")
+        for r in runs:
+            s = r["summary"]
+            typer.echo(f"  {r['system']:>16} {_rate_label(r['rate']):>5} {s['req_s']:6.2f} {s['output_tok_s']:9.1f}"
+                       f" {s['ttft_p99_ms']:11.1f} {s['e2el_p99_ms']:10.1f}")
+    cb = runs[0]["summary"]
+    result = {"url": url, "workload": str(path) if path else dataset_name, "dataset": dataset_name,
+              "config": {"rates": [_rate_label(r) for r in rates], "arrival": arrival, "seed": seed,
+                         "max_concurrency": max_concurrency, "dtype": dtype, "launcher_args": launcher_args},
+              "server_info": info, "trace_file": str(trace_file) if trace_file else None,
+              "summary": cb, "requests": runs[0]["requests"],
+              "runs": [{**r, "rate": _rate_label(r["rate"])} for r in runs]}
     if ceiling:
-        if model_dir is None:
-            from launcher.model_files import resolve_model
-            model_dir = str(resolve_model("smollm2"))
+        from launcher.ceiling import measure_ceiling
         if device is None:
             import torch
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        c = measure_ceiling(model_dir, dtype, device)
-        result["ceiling"] = c
+        c = result["ceiling"] = measure_ceiling(model_dir, dtype, device)
         typer.echo(f"ceiling ({dtype}, {device}): decode b{c['decode_batch']}@{c['decode_ctx']} "
                    f"{c['decode_step_s'] * 1e3:.1f} ms/step = {c['decode_tok_s']:.1f} tok/s; "
                    f"prefill {c['prefill_len']} {c['prefill_s'] * 1e3:.1f} ms = {c['prefill_tok_s']:.1f} tok/s")
-    if json_out is not None:
-        json_out.write_text(json.dumps(result, indent=2))
-    if s["mismatches"]:
+    write_results(result, runs, rates, json_out, result_dir, plot)
+    if cb["mismatches"]:
+        for r in runs[0]["requests"]:
+            if bench_stats.is_mismatch(r):
+                typer.echo(f"  id={r['id']} got {r['tokens']}/{r['max_new_tokens']} tokens"
+                           f" details={r['generated_tokens']} error={r['error']}", err=True)
         raise typer.Exit(1)
+
+
+def write_results(result: dict, runs: list[dict], rates: list[float], json_out, result_dir, plot: bool) -> None:
+    json_path, prefix = _outputs(json_out, result_dir)
+    if json_path is None:
+        return
+    json_path.write_text(json.dumps(result, indent=1, default=str))
+    typer.echo(f"result: {json_path}")
+    if not plot:
+        return
+    try:
+        from launcher import plots
+    except ImportError as e:
+        typer.echo(f"no plots ({e}): pip install matplotlib", err=True)
+        return
+    for rate in rates:
+        same = [(r["system"], r["requests"]) for r in runs if r["rate"] == rate]
+        out = plots.latency_cdfs(same, Path(f"{prefix}_cdf_rate-{_rate_label(rate)}.png"),
+                                 f"latency CDFs, rate {_rate_label(rate)} req/s")
+        typer.echo(f"plot: {out}")
+    if len(rates) > 1:
+        series: dict[str, list] = {}
+        for r in runs:
+            series.setdefault(r["system"], []).append((r["rate"], r["summary"]))
+        out = plots.rate_sweep(series, Path(f"{prefix}_sweep.png"), "cb-bench sweep")
+        typer.echo(f"plot: {out}")
 
 
 if __name__ == "__main__":

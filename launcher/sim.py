@@ -18,7 +18,7 @@ import typer
 
 from launcher import scenarios
 from launcher.cost_model import CostModel, calibrate, read_trace
-from launcher.replay import budget_from_info, replay
+from launcher.replay import replay
 from launcher.workloads import (DEFAULT_WORKLOAD, arrival_times, describe, load_w64, parse_rate, random_workload,
                                 seed002, seed004)
 from router.scheduler import Budget
@@ -80,7 +80,7 @@ def main(
 ):
     bench = json.loads(from_bench.read_text()) if from_bench else {}
     info = bench.get("server_info") or {}
-    seeds = scenario in ("seed004", "seed002")
+    seeds = scenario in ("seed004", "seed002") and not info  # else the server's /info, as a replay needs
     slots = max_batch_size or (4 if seeds else int(info.get("max_batch_size", 64)))
     bs = block_size or int(info.get("block_size", 16))
     total = max_batch_total_tokens or int(info.get("max_batch_total_tokens", 1 << 20 if seeds else 32768))
@@ -89,12 +89,12 @@ def main(
                     waiting_served_ratio if waiting_served_ratio is not None else float(info.get("waiting_served_ratio", 0.3)),
                     max_waiting_tokens if max_waiting_tokens is not None else int(info.get("max_waiting_tokens", 20)))
     blocks = num_blocks or int(info.get("num_blocks", -(-total // bs)))
-    default = CostModel.steps() if scenario == "seed004" else CostModel(0.0025, source="2.5 ms per step")
-    model = _cost(cost, calibrate_from, bench if scenario != "seed004" else {}, step_ms, prefill_token_us, decode_us,
-                  kv_token_ns, default)
+    default = CostModel.steps() if scenario == "seed004" or replay_trace else CostModel(0.0025, source="2.5 ms per step")
+    model = _cost(cost, calibrate_from, bench if scenario != "seed004" and not replay_trace else {}, step_ms,
+                  prefill_token_us, decode_us, kv_token_ns, default)
     if scenario in ("w64", "random") and model is default and not replay_trace:
-        typer.echo("note: no cost model given (--from-bench, --calibrate, --cost or the per-term flags): "
-                   "using 2.5 ms per step", err=True)
+        typer.echo("note: no cost model given (--from-bench with a trace, --calibrate, --cost or the per-term "
+                   "flags): using 2.5 ms per step", err=True)
     if save_cost:
         model.save(save_cost)
     typer.echo(f"cost model: {model.describe()}")
@@ -107,8 +107,6 @@ def main(
                     "num_blocks": blocks, "block_size": bs}
 
     if replay_trace is not None:
-        if info:
-            budget, blocks, bs = budget_from_info(info)
         lines = read_trace(replay_trace)
         diffs, sim = replay(lines, budget, blocks, bs, model)
         typer.echo(f"replayed {len(lines)} traced steps ({len(sim.records)} requests) through the production "
