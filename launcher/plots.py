@@ -27,7 +27,9 @@ def latency_cdfs(runs: list[tuple[str, list[dict]]], path: Path, title: str = ""
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
         if metric in ("ttft", "e2el"):
+            from matplotlib.ticker import NullFormatter
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
     axes[0].set_ylabel("fraction of samples")
     axes[-1].legend(loc="lower right", fontsize=8)
     if title:

@@ -99,7 +99,10 @@ def format_budget_sweep(table: dict[tuple[int, int], dict], slo_ms: float, max_p
                      f"for it, or the rate is too high (try fewer requests per second).")
         return "\n".join(lines)
     smallest = min(k[0] for k, _ in good)
-    (total, prefill), s = max(((k, s) for k, s in good if k[0] == smallest), key=lambda x: x[1]["output_tok_s"])
+    at_smallest = [(k, s) for k, s in good if k[0] == smallest]
+    best = max(s["output_tok_s"] for _, s in at_smallest)  # within 1% of the best throughput, the lowest p99 TTFT
+    (total, prefill), s = min(((k, s) for k, s in at_smallest if s["output_tok_s"] >= 0.99 * best),
+                              key=lambda x: x[1]["ttft_p99_ms"])
     lines.append(f"\nanswer: the smallest --max-batch-total-tokens keeping p99 TTFT under {slo_ms:g} ms is {smallest}; "
                  f"with it, --max-batch-prefill-tokens {prefill} gives the most throughput "
                  f"({s['output_tok_s']:.1f} tok/s, p99 TTFT {s['ttft_p99_ms']:.0f} ms).")

@@ -112,15 +112,15 @@ def test_client_against_a_fake_server(fake_server):
 def traced_server(tmp_path_factory):
     """Small budgets so prompts are chunked and requests queue: many decisions for the replay to agree on."""
     trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    s = Server("--trace-file", str(trace), "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "384",
-               "--max-batch-size", "6", "--max-input-tokens", "128", "--max-total-tokens", "256")
+    s = Server("--trace-file", str(trace), "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "256",
+               "--max-batch-size", "6", "--max-input-tokens", "96", "--max-total-tokens", "128")
     s.trace = trace
     yield s
     s.stop()
 
 
 def test_simulator_decides_as_the_live_router(traced_server):
-    reqs = random_workload(10, 60, 12, 0.6, seed=7)
+    reqs = random_workload(10, 40, 8, 0.6, seed=7)
     recs, _ = bench_client.run(traced_server.url, reqs, progress=False)
     assert [r["error"] for r in recs] == [None] * 10
     assert [r["tokens"] for r in recs] == [r.max_new_tokens for r in reqs]
