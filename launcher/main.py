@@ -68,6 +68,8 @@ def main(
     payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="largest request body, bytes"),
     max_stop_sequences: int = typer.Option(4, envvar="MAX_STOP_SEQUENCES"),
     max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS"),
+    prefix_caching: bool = typer.Option(True, envvar="PREFIX_CACHING",
+                                        help="share the KV blocks of common prompt prefixes (full-attention models)"),
 ):
     """Serves --model-id over HTTP with continuous batching across --num-shard shard processes."""
     try:
@@ -92,6 +94,7 @@ def main(
         block_size=block_size, max_memory_percent=max_memory_percent, graceful_timeout=graceful_timeout,
         trace_file=trace_file, payload_limit=payload_limit,
         max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens)]
+    router_argv.append("--prefix-caching" if prefix_caching else "--no-prefix-caching")
 
     if api_key:
         os.environ["API_KEY"] = api_key  # the router reads it from its environment, not from a visible argv

@@ -34,6 +34,7 @@ def main(
     payload_limit: int = typer.Option(2_000_000, help="largest request body in bytes (413 beyond)"),
     max_stop_sequences: int = 4,
     max_top_n_tokens: int = 5,
+    prefix_caching: bool = typer.Option(True, help="share the KV blocks of common prompt prefixes"),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -78,7 +79,9 @@ def main(
         budget = Budget(max_batch_prefill_tokens, total_budget, max_batch_size, waiting_served_ratio,
                         max_waiting_tokens)
         trace = Trace(open(trace_file, "w") if trace_file else None)
-        engine = Engine(shards, Scheduler(budget, BlockTable(num_blocks, block_size)), trace)
+        share = prefix_caching and not info.sliding_window  # sliding layers keep only a window: nothing to share
+        log.info("prefix caching %s", "on" if share else "off")
+        engine = Engine(shards, Scheduler(budget, BlockTable(num_blocks, block_size, share)), trace)
         svc.engine = engine
         svc.info.update({
             "model_id": model_dir, "model_dtype": info.dtype, "model_device_type": info.device,

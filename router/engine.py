@@ -25,6 +25,7 @@ class Engine:
         self.jobs: dict[int, Job] = {}
         self.wake = asyncio.Event()
         self.to_filter: list[int] = []
+        self._seen_lookups = self._seen_hits = 0
         self.steps = 0
 
     def submit(self, job: Job) -> None:
@@ -56,6 +57,13 @@ class Engine:
 
     def observe(self) -> None:
         s = self.scheduler
+        new_lookups = s.prefix_lookups - self._seen_lookups
+        new_hits = s.prefix_hit_blocks - self._seen_hits
+        if new_lookups:
+            metrics.prefix_lookups.inc(new_lookups)
+            metrics.prefix_hit_blocks.inc(new_hits)
+            metrics.prefix_hit_tokens.inc(new_hits * s.blocks.block_size)
+        self._seen_lookups, self._seen_hits = s.prefix_lookups, s.prefix_hit_blocks
         metrics.batch_size.set(len(s.running))
         metrics.queue_size.set(len(s.waiting))
         metrics.blocks_free.set(s.blocks.num_free)
@@ -87,6 +95,7 @@ class Engine:
                 await self._fail_all(str(e))
                 continue
             self.steps += 1
+            metrics.computed_tokens.inc(resp.tokens)
             metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
             for p in resp.prefill:
                 if p.id in self.jobs:
@@ -138,6 +147,7 @@ class Engine:
                 self.scheduler.finish(job.request)
                 del self.jobs[job.id]
         self.to_filter = []
+        self.scheduler.blocks.forget()
         try:
             await self.shards.clear()
         except ShardError as e:

@@ -26,3 +26,9 @@ queue_size = Gauge("tgi_queue_size", "Requests waiting", registry=registry)
 preemptions = Counter("cb_preemptions", "Requests soft-reset to free KV blocks", registry=registry)
 blocks_free = Gauge("cb_kv_blocks_free", "Free KV blocks", registry=registry)
 blocks_total = Gauge("cb_kv_blocks_total", "KV blocks in the pool", registry=registry)
+computed_tokens = Counter("cb_computed_tokens", "Tokens the shards computed (prompt and decode)", registry=registry)
+prefix_lookups = Counter("cb_prefix_cache_lookups", "Admissions that looked up the prefix cache", registry=registry)
+prefix_hit_blocks = Counter("cb_prefix_cache_hit_blocks", "KV blocks reused from the prefix cache",
+                            registry=registry)
+prefix_hit_tokens = Counter("cb_prefix_cache_hit_tokens", "Prompt tokens not recomputed thanks to the prefix cache",
+                            registry=registry)

@@ -28,6 +28,9 @@ class Request:
     generated: list[int] = field(default_factory=list)
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # names of its leading full, computed blocks
+    reuse_prefix: bool = True
+    on_shards: bool = False  # the shards know it (its first step since admission was sent)
     state: State = State.WAITING
     preemptions: int = 0
 

@@ -15,7 +15,7 @@ Pure Python: no torch, no grpc.
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.block_table import BlockTable
+from router.block_table import BlockTable, chain_hash
 from router.request import Request, State
 
 
@@ -61,6 +61,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps_since_admission = 0
+        self.prefix_lookups = 0
+        self.prefix_hit_blocks = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -97,30 +99,40 @@ class Scheduler:
 
     def _admit(self, step: Step, scheduled: set[int], prefill_left: int, held: int) -> int:
         """Plans admissions without touching anything, then commits them only if they are worth it."""
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Request, int, list[int], list[bytes]]] = []
         free = self.blocks.num_free
         slots = self.budget.max_batch_size - len(self.running)
+        bs = self.blocks.block_size
         for req in self.waiting:
             if slots <= 0 or prefill_left <= 0:
                 break
-            n = min(req.remaining, prefill_left, self.budget.max_batch_total_tokens - held)
-            n = min(n, free * self.blocks.block_size)
+            hits, names = [], []
+            if req.reuse_prefix:
+                hits, names = self.blocks.lookup(req.tokens[:req.num_tokens - 1])  # the last token is computed
+            cached = len(hits) * bs
+            n = min(req.num_tokens - cached, prefill_left, self.budget.max_batch_total_tokens - held - cached)
+            n = min(n, (free - self.blocks.free_among(hits)) * bs)
             if n <= 0:
                 break
-            plan.append((req, n))
-            free -= self.blocks.blocks_for(n)
+            plan.append((req, n, hits, names))
+            free -= self.blocks.extra_blocks(len(hits), cached + n) + self.blocks.free_among(hits)
             prefill_left -= n
-            held += n
+            held += cached + n
             slots -= 1
-            if n < req.remaining:
+            if cached + n < req.num_tokens:
                 break
         if self.running and self.steps_since_admission < self.budget.max_waiting_tokens:
             if len(self.waiting) < int(len(self.running) * self.budget.waiting_served_ratio):
                 return 0
-        for req, n in plan:
+        for req, n, hits, names in plan:
             self.waiting.remove(req)
             req.state = State.RUNNING
             self.running.append(req)
+            if req.reuse_prefix:
+                self.prefix_lookups += 1
+                self.prefix_hit_blocks += len(hits)
+            self.blocks.share(hits)
+            req.blocks, req.hashes, req.computed = list(hits), list(names), len(hits) * bs
             self._schedule(step, req, n, scheduled)
         return len(plan)
 
@@ -134,11 +146,24 @@ class Scheduler:
         extra = self.blocks.extra_blocks(len(req.blocks), req.computed + n)
         new_blocks = self.blocks.allocate(extra)
         req.blocks.extend(new_blocks)
-        first = req.computed == 0
+        first = not req.on_shards
         sample = req.computed + n == req.num_tokens
-        step.entries.append(Entry(req, req.computed, n, new_blocks, sample, first, req.is_decoding))
+        sent_blocks = list(req.blocks) if first else new_blocks  # a first step carries its shared prefix too
+        step.entries.append(Entry(req, req.computed, n, sent_blocks, sample, first, req.is_decoding))
         req.computed += n
+        req.on_shards = True
         scheduled.add(req.id)
+        self._name_blocks(req)
+
+    def _name_blocks(self, req: Request) -> None:
+        """Names the request's newly full blocks (their bytes are written during this very step, before any
+        later step can read them)."""
+        bs = self.blocks.block_size
+        while len(req.hashes) < min(req.computed // bs, len(req.blocks)):
+            i = len(req.hashes)
+            name = chain_hash(req.hashes[-1] if req.hashes else None, req.tokens[i * bs:(i + 1) * bs])
+            self.blocks.name(req.blocks[i], name)
+            req.hashes.append(name)
 
     def _make_room(self, req: Request, held: int, scheduled: set[int], step: Step):
         """Preempts the newest unscheduled running requests until `req` can grow by one token within both
@@ -157,8 +182,9 @@ class Scheduler:
         """Soft reset: free the blocks, keep the tokens, requeue at the head of the queue."""
         self.running.remove(req)
         self.blocks.free(req.blocks)
-        req.blocks = []
+        req.blocks, req.hashes = [], []
         req.computed = 0
+        req.on_shards = False
         req.preemptions += 1
         req.state = State.WAITING
         self.waiting.appendleft(req)

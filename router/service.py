@@ -47,7 +47,8 @@ class Service:
             metrics.outcomes.labels("validation").inc()
             raise APIError(422, str(e), "validation") from e
         job = Job(
-            request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens),
+            request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens,
+                            reuse_prefix=not body.parameters.decoder_input_details),
             parameters=v.sampling,
             detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
             eos_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,

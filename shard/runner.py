@@ -139,7 +139,7 @@ class Runner:
     def _state(self, e) -> RequestState:
         if e.HasField("parameters"):
             self.requests[e.id] = RequestState(Params.from_proto(e.parameters), e.prompt_tokens,
-                                               e.parameters.prefill_logprobs)
+                                               e.parameters.prefill_logprobs, cached=e.cached_tokens)
         st = self.requests.get(e.id)
         if st is None:
             raise StepError(f"request {e.id} is not known to this shard")

@@ -60,7 +60,8 @@ class ShardService(pb_grpc.ShardServicer):
             generations, prefill, ns = self.runner.step(request.entries)
         except StepError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return pb.StepResponse(generations=generations, prefill=prefill, forward_ns=ns)
+        tokens = sum(len(e.input_ids) for e in request.entries)
+        return pb.StepResponse(generations=generations, prefill=prefill, forward_ns=ns, tokens=tokens)
 
     Prefill = _step
     Decode = _step
