@@ -55,7 +55,7 @@ def main(
     device: Device = typer.Option(Device.auto, envvar="DEVICE"),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="tokens per KV cache block"),
     max_memory_percent: float = typer.Option(
-        0.9, envvar="MAX_MEMORY_PERCENT", help="fraction of free memory the KV cache may take"),
+        0.9, envvar="MAX_MEMORY_PERCENT", min=0.01, max=1.0, help="fraction of free memory the KV cache may take"),
     graceful_timeout: float = typer.Option(
         30.0, envvar="GRACEFUL_TIMEOUT", help="s in-flight requests get to finish on shutdown"),
     master_port: int = typer.Option(29500, envvar="MASTER_PORT", help="torch.distributed rendezvous"),

@@ -82,9 +82,14 @@ class Engine:
             if step.preempted:
                 log.info("preempted %d request(s) to free KV blocks: %s", len(step.preempted),
                          [r.id for r in step.preempted])
-                self.to_filter.extend(r.id for r in step.preempted)
                 metrics.preemptions.inc(len(step.preempted))
-                await self._retire()
+                for r in step.preempted:
+                    self.jobs[r.id].prefill_logprobs.clear()  # recomputed from the first token
+                try:  # before the step: the shards must forget them before they come back
+                    await self.shards.filter([r.id for r in step.preempted])
+                except ShardError as e:
+                    await self._fail_all(str(e))
+                    continue
             if not step.entries:
                 self.wake.clear()
                 await self.wake.wait()

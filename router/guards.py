@@ -1,7 +1,10 @@
 """Checks made before a request reaches a route: the API key and the payload limit (pure ASGI, so streaming
 responses and disconnect detection pass through untouched)."""
+import hmac
 import json
 from typing import Optional
+
+from starlette.exceptions import HTTPException
 
 OPEN_PATHS = {"/health", "/metrics", "/info"}
 
@@ -17,7 +20,8 @@ class Guards:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"] not in OPEN_PATHS:
-            if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return await _refuse(send, scope, 401, "Unauthorized: a valid `Authorization: Bearer` key is required",
                                      "authentication")
         length = headers.get(b"content-length")
@@ -31,18 +35,17 @@ class Guards:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.payload_limit:
-                raise PayloadTooLarge
+                raise PayloadTooLarge(self.payload_limit)
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except PayloadTooLarge:
-            await _refuse(send, scope, 413, f"Payload too large: the limit is {self.payload_limit} bytes",
-                          "payload_too_large")
+        await self.app(scope, limited_receive, send)
 
 
-class PayloadTooLarge(Exception):
-    pass
+class PayloadTooLarge(HTTPException):
+    """Raised while FastAPI reads a body sent without Content-Length; its handlers turn it into a 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"Payload too large: the limit is {limit} bytes")
 
 
 async def _refuse(send, scope, status: int, message: str, kind: str) -> None:

@@ -16,6 +16,7 @@ class Token:
     logprob: float
     special: bool
     top_tokens: list["Token"] = field(default_factory=list)
+    final: bool = False  # the request's last token (set when it is produced, whatever the reader's lag)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Job:
             self.finish_reason = "stop_sequence"
         elif req.is_done_generating:
             self.finish_reason = "length"
+        token.final = self.finish_reason is not None
         self.events.put_nowait(("token", token))
         if self.finish_reason:
             self.finished_at = time.monotonic()

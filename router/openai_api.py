@@ -22,10 +22,10 @@ from router.openai_schemas import (FINISH_REASONS, ChatCompletionRequest, Comple
 from router.service import APIError, Service
 from router.validation import GenerateRequest, Parameters
 
-def start(svc: Service, inputs, parameters: Parameters, prompt_field: str) -> Job:
+async def start(svc: Service, inputs, parameters: Parameters, prompt_field: str) -> Job:
     """svc.start, with TGI's field names in validation messages renamed to this API's."""
     try:
-        return svc.start(GenerateRequest(inputs=inputs, parameters=parameters))
+        return await svc.start(GenerateRequest(inputs=inputs, parameters=parameters))
     except APIError as e:
         message = e.message
         if e.kind == "validation":
@@ -186,7 +186,7 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
             if kind == "error":
                 yield sse(error_body(424, payload, "generation"))
             elif kind == "token":
-                delta = text.push(payload, job.finish_reason is not None)
+                delta = text.push(payload, payload.final)
                 if delta or (with_logprobs and not payload.special):
                     yield sse({**base, "choices": [chunk(delta, [payload], None)]})
             elif kind == "end":
@@ -208,7 +208,7 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_parameters(req, max_tokens, top_n)
-        job = start(svc, chat_prompt(svc, req), params, "messages")
+        job = await start(svc, chat_prompt(svc, req), params, "messages")
 
         if req.stream:
             def chunk(delta: str, tokens: list[Token], finish: Optional[str]) -> dict:
@@ -236,7 +236,7 @@ def install_openai_routes(app: FastAPI, svc: Service) -> None:
         top_n = req.logprobs or 0
         params = to_parameters(req, req.max_tokens, top_n)
         prompt = completion_prompt(req)
-        job = start(svc, prompt, params, "prompt")
+        job = await start(svc, prompt, params, "prompt")
         echo = (prompt if isinstance(prompt, str) else svc.tokenizer.decode(prompt)) if req.echo else ""
 
         if req.stream:

@@ -8,7 +8,8 @@ waiting_served_ratio waiting requests per running one are queued, or max_waiting
 since the last admission (TGI's documented meaning; the count is of the queue, not of what fits this step,
 so a small prefill budget admitting a few requests per step never stalls a long queue). When a running request
 cannot get its next block, the newest running request that is not scheduled yet is preempted: its blocks
-are freed and it goes back to the head of the queue with its generated tokens as part of its prompt.
+are freed and it goes back to the head of the queue with its generated tokens as part of its prompt. A step
+that had to preempt admits nobody (the victim would come straight back and be preempted again).
 
 Pure Python: no torch, no grpc.
 """
@@ -93,7 +94,7 @@ class Scheduler:
             self._schedule(step, req, n, scheduled)
             prefill_left -= n
             held += n
-        admitted = self._admit(step, scheduled, prefill_left, held)
+        admitted = 0 if step.preempted else self._admit(step, scheduled, prefill_left, held)
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
         return step
 

@@ -84,7 +84,7 @@ def install_routes(app: FastAPI, svc: Service) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request, exc: StarletteHTTPException):
-        kind = "validation" if exc.status_code in (400, 422) else "http"
+        kind = {400: "validation", 422: "validation", 413: "payload_too_large"}.get(exc.status_code, "http")
         return error_for(request, exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(APIError)
@@ -98,7 +98,7 @@ def install_routes(app: FastAPI, svc: Service) -> None:
         return text
 
     async def generate_json(body: GenerateRequest, http: HttpRequest):
-        job = svc.start(body)
+        job = await svc.start(body)
         async for kind, payload in svc.events(job, http):
             if kind == "error":
                 raise APIError(424, payload, "generation")
@@ -109,8 +109,8 @@ def install_routes(app: FastAPI, svc: Service) -> None:
             out["details"] = full_details_json(job, svc, body)
         return out, timing_headers(job, svc, body)
 
-    def stream_response(body: GenerateRequest) -> StreamingResponse:
-        job = svc.start(body)
+    async def stream_response(body: GenerateRequest) -> StreamingResponse:
+        job = await svc.start(body)
 
         async def stream():
             index = 0
@@ -119,7 +119,7 @@ def install_routes(app: FastAPI, svc: Service) -> None:
                     yield sse({"error": payload, "error_type": "generation"})
                 elif kind == "token":
                     index += 1
-                    last = job.finish_reason is not None and job.events.qsize() == 1
+                    last = payload.final
                     top = [token_json(t) for t in payload.top_tokens] if body.parameters.top_n_tokens else None
                     yield sse({
                         "index": index, "token": token_json(payload), "top_tokens": top,
@@ -136,13 +136,13 @@ def install_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/generate_stream")
     async def generate_stream(body: GenerateRequest):
-        return stream_response(body)
+        return await stream_response(body)
 
     @app.post("/")
     async def compat_generate(body: GenerateRequest, http: HttpRequest):
         """TGI's compat route: `stream` picks SSE; otherwise a JSON list of one response."""
         if body.stream:
-            return stream_response(body)
+            return await stream_response(body)
         out, headers = await generate_json(body, http)
         return JSONResponse([out], headers=headers)
 

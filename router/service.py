@@ -31,8 +31,9 @@ class Service:
     info: dict = field(default_factory=dict)
     draining: bool = False
 
-    def start(self, body: GenerateRequest) -> Job:
-        """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid)."""
+    async def start(self, body: GenerateRequest) -> Job:
+        """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid).
+        Tokenizing runs in a worker thread, so a long prompt never stalls the batching loop."""
         arrived = time.monotonic()
         metrics.requests.inc()
         if self.draining:
@@ -42,7 +43,7 @@ class Service:
             metrics.outcomes.labels("overloaded").inc()
             raise APIError(429, "Model is overloaded", "overloaded")
         try:
-            v = validate(body, self.tokenizer, self.limits)
+            v = await asyncio.to_thread(validate, body, self.tokenizer, self.limits)
         except ValidationError as e:
             metrics.outcomes.labels("validation").inc()
             raise APIError(422, str(e), "validation") from e

@@ -72,11 +72,13 @@ def _check_parameters(p: Parameters, limits: Limits) -> None:
     if p.frequency_penalty is not None and not -2 <= p.frequency_penalty <= 2:
         raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
     if p.top_p is not None and not 0 < p.top_p <= 1:
-        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+        raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
     if p.typical_p is not None and not 0 < p.typical_p <= 1:
-        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+        raise ValidationError("`typical_p` must be > 0.0 and <= 1.0")
     if p.top_k is not None and p.top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
+    if any(not s for s in p.stop):
+        raise ValidationError("`stop` sequences cannot be empty")
     if len(p.stop) > limits.max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
                               f"Given: {len(p.stop)}")

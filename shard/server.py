@@ -79,16 +79,20 @@ class ShardService(pb_grpc.ShardServicer):
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:
-    """One worker thread: calls are strictly ordered, and torch already uses every core."""
+    """The router sends state-changing calls one at a time, in order; a second worker only lets Health and
+    Info answer while a step runs. The socket is created owner-only (umask), not chmodded after the fact."""
     if os.path.exists(uds):
         os.unlink(uds)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=[
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
         ("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20),
     ])
     pb_grpc.add_ShardServicer_to_server(service, server)
-    server.add_insecure_port(f"unix://{uds}")
-    server.start()
-    os.chmod(uds, 0o600)
+    old_umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix://{uds}")
+        server.start()
+    finally:
+        os.umask(old_umask)
     return server
 
 

@@ -21,6 +21,7 @@ BAD = {
     "top_p above 1": {"inputs": "hello", "parameters": {"top_p": 1.5}},
     "token id out of vocabulary": {"inputs": [1, 99999999], "parameters": {"max_new_tokens": 5}},
     "missing inputs": {"parameters": {"max_new_tokens": 5}},
+    "empty stop sequence": {"inputs": "hello", "parameters": {"stop": [""]}},
     "negative seed": {"inputs": "hello", "parameters": {"do_sample": True, "seed": -1}},
     "best_of 2": {"inputs": "hello", "parameters": {"best_of": 2}},
     "too many stop sequences": {"inputs": "hello", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},

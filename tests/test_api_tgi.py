@@ -138,6 +138,10 @@ def test_api_key_and_payload_limit(guarded):
     big = {"inputs": "x" * 5000, "parameters": {"max_new_tokens": 2}}
     r = httpx.post(url + "/generate", json=big, headers={"Authorization": "Bearer s3cret"}, timeout=60)
     assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
+    chunked = (part for part in [b'{"inputs": "', b"y" * 5000, b'"}'])  # no Content-Length: read and cut off
+    r = httpx.post(url + "/generate", content=chunked, timeout=60,
+                   headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
 
 
 def test_non_streaming_client_that_leaves_is_cancelled(server):

@@ -259,3 +259,20 @@ def test_long_queue_keeps_being_admitted_under_a_small_prefill_budget():
         assert sum(x.state is not State.WAITING for x in waiting) == i + 1
     run_step(s)                      # 2 waiting < floor(10 * 0.3): the running batch is served first
     assert sum(x.state is not State.WAITING for x in waiting) == 8
+
+
+def test_a_step_that_preempts_admits_nobody():
+    """The victim must not come straight back in the step that freed its blocks (preemption thrash)."""
+    s = make(prefill=64, total=1024, blocks=4, block_size=4)
+    old, new = req(4, 20), req(4, 20)
+    s.add(old)
+    run_step(s)
+    s.add(new)
+    run_step(s)
+    for _ in range(10):
+        step = run_step(s)
+        if step.preempted:
+            assert step.preempted == [new]
+            assert new not in [e.request for e in step.entries] and list(s.waiting) == [new]
+            return
+    raise AssertionError("no preemption happened")
