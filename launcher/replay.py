@@ -2,7 +2,8 @@
 scheduling decisions, step by step: the same entries (request, start, tokens, sample), the same preemptions and
 the same retirements. Each traced arrival enters the simulator just before the schedule() call whose line lists
 it; a request the trace shows retired with fewer tokens than asked (EOS, stop sequence, client gone) is given
-that many as its length, so the simulator retires it at the same step by its own rule.
+that many as its length, so the simulator retires it at the same step by its own rule. The trace has lengths, not
+token ids: requests that shared a prompt prefix live would not share it here (benchmarks send random ids).
 """
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ def budget_from_info(info: dict) -> tuple[Budget, int, int]:
 
 
 def replay(lines: list[dict], budget: Budget, num_blocks: int, block_size: int,
-           cost: CostModel | None = None) -> tuple[list[str], SimResult]:
+           cost: CostModel | None = None, prefix_caching: bool = True) -> tuple[list[str], SimResult]:
     """Returns (differences, the simulation); no differences means identical decisions at every step."""
     reqs, at_steps = trace_requests(lines)
-    sim = simulate_continuous(reqs, budget, num_blocks, block_size, cost, at_steps=at_steps, record=True)
+    sim = simulate_continuous(reqs, budget, num_blocks, block_size, cost, at_steps=at_steps, record=True,
+                              prefix_caching=prefix_caching)
     diffs = []
     for k, (live, mine) in enumerate(zip(lines, sim.decisions)):
         for key in ("entries", "preempted", "finished"):

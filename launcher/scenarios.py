@@ -12,9 +12,9 @@ from router.scheduler import Budget
 
 
 def compare(reqs: list[Req], times: list[float], budget: Budget, num_blocks: int, block_size: int,
-            cost: CostModel, static_batch: int) -> tuple[SimResult, SimResult]:
+            cost: CostModel, static_batch: int, prefix_caching: bool = True) -> tuple[SimResult, SimResult]:
     static = simulate_static(reqs, static_batch, cost, times)
-    continuous = simulate_continuous(reqs, budget, num_blocks, block_size, cost, times)
+    continuous = simulate_continuous(reqs, budget, num_blocks, block_size, cost, times, prefix_caching=prefix_caching)
     return static, continuous
 
 
@@ -51,13 +51,14 @@ def format_compare(results: list[SimResult], cost: CostModel, percentiles=(50, 9
 
 
 def rate_sweep(make_reqs, rates: list[float], budget: Budget, num_blocks: int, block_size: int, cost: CostModel,
-               static_batch: int, process: str = "poisson", seed: int = 0) -> dict[str, list[tuple[float, dict]]]:
+               static_batch: int, process: str = "poisson", seed: int = 0,
+               prefix_caching: bool = True) -> dict[str, list[tuple[float, dict]]]:
     """{policy: [(rate, summary)]}: throughput (completed req/s), mean queue wait, p99 TTFT at each arrival rate."""
     out: dict[str, list[tuple[float, dict]]] = {"static": [], "continuous": []}
     for rate in rates:
         reqs = make_reqs()
         times = arrival_times(len(reqs), rate, process, seed)
-        for res in compare(reqs, times, budget, num_blocks, block_size, cost, static_batch):
+        for res in compare(reqs, times, budget, num_blocks, block_size, cost, static_batch, prefix_caching):
             s = res.summary()
             s["mean_wait_ms"] = s["mean_wait"] * 1e3
             s["mean_batch"] = res.generated / res.steps if res.steps else 0.0
@@ -75,14 +76,15 @@ def format_rate_sweep(series: dict[str, list[tuple[float, dict]]]) -> str:
 
 
 def budget_sweep(reqs: list[Req], times: list[float], budget: Budget, block_size: int, cost: CostModel,
-                 totals: list[int], prefills: list[int]) -> dict[tuple[int, int], dict]:
+                 totals: list[int], prefills: list[int], prefix_caching: bool = True) -> dict[tuple[int, int], dict]:
     """Continuous batching under every (--max-batch-total-tokens, --max-batch-prefill-tokens): the KV pool is sized
     from the total budget, as the router does when that flag is given."""
     out = {}
     for total in totals:
         for prefill in prefills:
             b = replace(budget, max_batch_total_tokens=total, max_batch_prefill_tokens=prefill)
-            res = simulate_continuous(reqs, b, -(-total // block_size), block_size, cost, times)
+            res = simulate_continuous(reqs, b, -(-total // block_size), block_size, cost, times,
+                                      prefix_caching=prefix_caching)
             out[(total, prefill)] = res.summary()
     return out
 

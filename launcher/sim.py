@@ -75,6 +75,7 @@ def main(
     sweep_total_tokens: str = typer.Option("2048,4096,8192,16384,32768"),
     sweep_prefill_tokens: str = typer.Option("64,128,256,512,1024,2048"),
     replay_trace: Optional[Path] = typer.Option(None, "--replay", help="Replay a live trace; compare decisions."),
+    prefix_caching: bool = typer.Option(True, help="As the server's --prefix-caching (on by default there)."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ):
@@ -108,7 +109,7 @@ def main(
 
     if replay_trace is not None:
         lines = read_trace(replay_trace)
-        diffs, sim = replay(lines, budget, blocks, bs, model)
+        diffs, sim = replay(lines, budget, blocks, bs, model, prefix_caching)
         typer.echo(f"replayed {len(lines)} traced steps ({len(sim.records)} requests) through the production "
                    f"scheduler: {'identical decisions' if not diffs else f'{len(diffs)} differences'}")
         for d in diffs[:20]:
@@ -118,7 +119,7 @@ def main(
     if scenario == "seed002":
         make = lambda: seed002(num_prompts, seed)  # noqa: E731
         series = scenarios.rate_sweep(make, [float(r) for r in rates.split(",")], budget, blocks, bs, model,
-                                      static_batch_size or slots, arrival, seed)
+                                      static_batch_size or slots, arrival, seed, prefix_caching)
         typer.echo(f"seed 002: {num_prompts} requests per rate, prompts 10 tokens, outputs 10..200, {slots} slots")
         typer.echo(scenarios.format_rate_sweep(series))
         result["rate_sweep"] = {k: [(r, s) for r, s in v] for k, v in series.items()}
@@ -142,7 +143,7 @@ def main(
         typer.echo(f"workload: {scenario} ({describe(reqs)}), arrivals {request_rate} req/s")
         if sweep:
             totals, prefills = _ints(sweep_total_tokens), _ints(sweep_prefill_tokens)
-            table = scenarios.budget_sweep(reqs, times, budget, bs, model, totals, prefills)
+            table = scenarios.budget_sweep(reqs, times, budget, bs, model, totals, prefills, prefix_caching)
             typer.echo(scenarios.format_budget_sweep(table, ttft_slo_ms, max(r.prompt_tokens for r in reqs)))
             result["budget_sweep"] = [{"max_batch_total_tokens": t, "max_batch_prefill_tokens": p, **s}
                                       for (t, p), s in table.items()]
@@ -151,7 +152,8 @@ def main(
                 budget_heatmap(totals, prefills, {k: s["ttft_p99_ms"] for k, s in table.items()}, ttft_slo_ms, plot)
                 typer.echo(f"plot: {plot}")
         else:
-            static, cont = scenarios.compare(reqs, times, budget, blocks, bs, model, static_batch_size or slots)
+            static, cont = scenarios.compare(reqs, times, budget, blocks, bs, model, static_batch_size or slots,
+                                             prefix_caching)
             typer.echo(scenarios.format_compare([static, cont], model))
             if scenario == "seed004":
                 typer.echo(f"({SEED004_PUBLISHED}; mean completion {static.mean_completion / cont.mean_completion:.2f}x "

@@ -55,6 +55,23 @@ class SimResult:
         return s
 
 
+def block_table(num_blocks: int, block_size: int, prefix_caching: bool) -> BlockTable:
+    """The production block table; prefix caching as the server runs it (on by default there), where supported."""
+    table = BlockTable(num_blocks, block_size)
+    if hasattr(table, "prefix_caching"):
+        table.prefix_caching = prefix_caching
+    return table
+
+
+def prompt_ids(req: Req) -> list[int]:
+    """The request's ids when known; else ids unique to it, so no two simulated requests share a prefix block
+    (a request still finds its own blocks again after a soft reset, as in the live router)."""
+    if req.prompt_ids is not None:
+        return list(req.prompt_ids)
+    base = (req.id * 1_000_003) % (1 << 31)
+    return [(base + k) % (1 << 31) for k in range(req.prompt_tokens)]
+
+
 def _record(req: Req, arrival: float) -> dict:
     return {"id": req.id, "prompt_tokens": req.prompt_tokens, "max_new_tokens": req.max_new_tokens, "tokens": 0,
             "ttft": None, "itl": [], "e2e": None, "start": arrival, "wait": None, "error": None,
@@ -82,14 +99,16 @@ def _clean(records: dict) -> list[dict]:
 
 def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_size: int,
                         cost: Optional[CostModel] = None, times: Optional[list[float]] = None,
-                        at_steps: Optional[list[int]] = None, record: bool = False) -> SimResult:
+                        at_steps: Optional[list[int]] = None, record: bool = False,
+                        prefix_caching: bool = True) -> SimResult:
     """Continuous batching through router.scheduler.Scheduler. `times`: arrival offsets (default all at 0);
-    `at_steps`: instead, the index of the schedule() call each request arrives just before (trace replay)."""
+    `at_steps`: instead, the index of the schedule() call each request arrives just before (trace replay).
+    The simulator knows lengths, not texts: requests without ids never share prefix blocks with each other."""
     cost = cost or CostModel.steps()
     times = times or [0.0] * len(reqs)
     keys = at_steps if at_steps is not None else times
     pending = deque(sorted(range(len(reqs)), key=lambda i: (keys[i], i)))
-    sched = Scheduler(budget, BlockTable(num_blocks, block_size))
+    sched = Scheduler(budget, block_table(num_blocks, block_size, prefix_caching))
     res = SimResult("continuous", [], budget.max_batch_size)
     records: dict[int, dict] = {}
     arrived_at: dict[int, float] = {}
@@ -103,8 +122,7 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
         r = reqs[i]
         arrived_at[r.id] = times[i] if at_steps is None else now
         records[r.id] = _record(r, arrived_at[r.id])
-        sched.add(Request(prompt_ids=[0] * r.prompt_tokens, max_new_tokens=r.max_new_tokens, id=r.id,
-                          arrival=float(seq)))
+        sched.add(Request(prompt_ids=prompt_ids(r), max_new_tokens=r.max_new_tokens, id=r.id, arrival=float(seq)))
         arrived.append({"id": r.id, "prompt_tokens": r.prompt_tokens, "max_new_tokens": r.max_new_tokens,
                         "priority": 0})
         seq += 1

@@ -97,7 +97,7 @@ def seed004() -> list[Req]:
 def seed002(n: int, seed: int = 0, prompt_len: int = 10, gen_range: tuple[int, int] = (10, 200)) -> list[Req]:
     """Seed 002's exercise: prompts of 10 tokens, generation lengths uniform in 10..200."""
     rng = random.Random(seed)
-    return [Req(i, prompt_len, rng.randint(*gen_range), prompt_ids=[100] * prompt_len) for i in range(n)]
+    return [Req(i, prompt_len, rng.randint(*gen_range)) for i in range(n)]
 
 
 def parse_rate(text: Union[str, float]) -> float:

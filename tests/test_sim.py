@@ -2,6 +2,7 @@
 the cost-model fit, trace replay, and the CLI. Pure Python, no torch, no timing thresholds."""
 import math
 
+import pytest
 from typer.testing import CliRunner
 
 from launcher import scenarios
@@ -10,6 +11,7 @@ from launcher.replay import replay, trace_requests
 from launcher.sim import app
 from launcher.simulator import simulate_continuous, simulate_static
 from launcher.workloads import SEED004_LENGTHS, Req, arrival_times, seed002, seed004
+from router.block_table import BlockTable
 from router.scheduler import Budget
 
 ROOMY = Budget(max_batch_prefill_tokens=4096, max_batch_total_tokens=1 << 20, max_batch_size=4)
@@ -191,3 +193,29 @@ def test_cli_replay_and_sweep(tmp_path):
                               "--sweep-prefill-tokens", "64,512", "--ttft-slo-ms", "100000"])
     assert out.exit_code == 0, out.output
     assert "answer:" in out.output
+
+
+def resumptions(sim):
+    """The first entry of each preempted request after its soft reset."""
+    out, waiting = [], set()
+    for d in sim.decisions:
+        for e in d["entries"]:
+            if e[0] in waiting:
+                out.append(e)
+                waiting.discard(e[0])
+        waiting |= set(d["preempted"])
+    return out
+
+
+@pytest.mark.skipif(not hasattr(BlockTable(1, 1), "prefix_caching"), reason="block table without prefix caching")
+def test_a_soft_reset_request_finds_its_own_blocks_again():
+    """The total-token budget, not the pool, forces the resets, so freed blocks keep their names; with prefix
+    caching (the server's default) a re-admitted request resumes after its cached blocks, as the router does."""
+    reqs = [Req(i, 40, 30) for i in range(6)]
+    budget = Budget(max_batch_prefill_tokens=512, max_batch_total_tokens=256, max_batch_size=8)
+    on = simulate_continuous(reqs, budget, 200, 16, record=True, prefix_caching=True)
+    off = simulate_continuous(reqs, budget, 200, 16, record=True, prefix_caching=False)
+    assert on.preemptions > 0 and off.preemptions > 0
+    assert any(e[1] > 0 for e in resumptions(on)) and all(e[1] == 0 for e in resumptions(off))
+    assert replay(on.decisions, budget, 200, 16)[0] == []
+    assert replay(off.decisions, budget, 200, 16, prefix_caching=False)[0] == []
