@@ -147,3 +147,19 @@ def test_cb_bench_command(traced_server, tmp_path):
     assert result["server_info"]["max_batch_size"] == 6
     assert (tmp_path / "bench_cdf_rate-inf.png").exists() is False
     assert (tmp_path / "bench_cdf_rate-20.png").stat().st_size > 1000
+
+
+def test_text_workload(tmp_path):
+    from launcher.workloads import text_workload, token_ids
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hello there\n\nThe capital of France is\n")
+    reqs = text_workload(path, output_len=8, n=3)
+    assert [r.inputs for r in reqs] == ["Hello there", "The capital of France is", "Hello there"]
+    assert all(r.max_new_tokens == 8 and r.prompt_tokens == 0 for r in reqs)
+    with pytest.raises(ValueError):
+        token_ids(reqs[0])  # the baselines need ids: a tokenizer must have been given
+
+    def fake_tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [len(w) for w in text.split()]}
+    reqs = text_workload(path, output_len=8, tokenizer=fake_tokenizer)
+    assert [r.prompt_tokens for r in reqs] == [2, 5] and token_ids(reqs[1]) == [3, 7, 2, 6, 2]
