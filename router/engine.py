@@ -26,6 +26,7 @@ class Engine:
         self.wake = asyncio.Event()
         self.to_filter: list[int] = []
         self._seen_lookups = self._seen_hits = 0
+        self.last_step_failed = False
         self.steps = 0
 
     def submit(self, job: Job) -> None:
@@ -100,6 +101,7 @@ class Engine:
                 await self._fail_all(str(e))
                 continue
             self.steps += 1
+            self.last_step_failed = False
             metrics.computed_tokens.inc(resp.tokens)
             metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
             for p in resp.prefill:
@@ -145,6 +147,7 @@ class Engine:
     async def _fail_all(self, message: str) -> None:
         """A failed step poisons every running batch: fail the affected jobs and clear every shard."""
         log.error("step failed: %s", message)
+        self.last_step_failed = True
         for job in list(self.jobs.values()):
             if job.request in self.scheduler.running:
                 job.fail(message)

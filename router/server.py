@@ -158,10 +158,13 @@ def install_routes(app: FastAPI, svc: Service) -> None:
     async def health():
         if svc.draining:
             return error(503, "the server is shutting down", "unhealthy")
-        try:
-            await asyncio.wait_for(svc.engine.shards.health(), timeout=5)
-        except (ShardError, asyncio.TimeoutError) as e:
-            return error(503, f"a shard is unhealthy: {e}", "unhealthy")
+        if svc.engine.last_step_failed:
+            return error(503, "the last step failed on a shard", "unhealthy")
+        if not svc.engine.busy:  # while steps run they prove the shards alive; a Health call would queue behind
+            try:
+                await asyncio.wait_for(svc.engine.shards.health(), timeout=5)
+            except (ShardError, asyncio.TimeoutError) as e:
+                return error(503, f"a shard is unhealthy: {e}", "unhealthy")
         return JSONResponse({})
 
     @app.get("/info")

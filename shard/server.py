@@ -79,11 +79,12 @@ class ShardService(pb_grpc.ShardServicer):
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:
-    """The router sends state-changing calls one at a time, in order; a second worker only lets Health and
-    Info answer while a step runs. The socket is created owner-only (umask), not chmodded after the fact."""
+    """One worker thread: calls are strictly ordered, and torch's thread pool stays bound to one caller (a
+    second calling thread would start a second OpenMP team competing for the same cores). The socket is
+    created owner-only (umask), not chmodded after the fact."""
     if os.path.exists(uds):
         os.unlink(uds)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=[
         ("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20),
     ])
     pb_grpc.add_ShardServicer_to_server(service, server)
