@@ -32,12 +32,7 @@ def latency_cdfs(runs: list[tuple[str, list[dict]]], path: Path, title: str = ""
             ax.xaxis.set_minor_formatter(NullFormatter())
     axes[0].set_ylabel("fraction of samples")
     axes[-1].legend(loc="lower right", fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, title)
 
 
 def rate_sweep(series: dict[str, list[tuple[float, dict]]], path: Path, title: str = "",
@@ -61,12 +56,7 @@ def rate_sweep(series: dict[str, list[tuple[float, dict]]], path: Path, title: s
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, title)
 
 
 def budget_heatmap(totals: list[int], prefills: list[int], values: dict[tuple[int, int], float], slo_ms: float,
@@ -87,6 +77,12 @@ def budget_heatmap(totals: list[int], prefills: list[int], values: dict[tuple[in
     ax.set_ylabel("--max-batch-total-tokens")
     fig.colorbar(im, ax=ax, label="p99 TTFT (ms)")
     ax.set_title(title or f"p99 TTFT, SLO {slo_ms:g} ms")
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path, title: str = "") -> Path:
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
