@@ -30,6 +30,7 @@ class Service:
     max_concurrent_requests: int
     info: dict = field(default_factory=dict)
     draining: bool = False
+    validating: int = 0  # requests admitted but still being tokenized: they count against the limit too
 
     async def start(self, body: GenerateRequest) -> Job:
         """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid).
@@ -39,14 +40,17 @@ class Service:
         if self.draining:
             metrics.outcomes.labels("unhealthy").inc()
             raise APIError(503, "the server is shutting down", "unhealthy")
-        if len(self.engine.jobs) >= self.max_concurrent_requests:
+        if self.validating + len(self.engine.jobs) >= self.max_concurrent_requests:
             metrics.outcomes.labels("overloaded").inc()
             raise APIError(429, "Model is overloaded", "overloaded")
+        self.validating += 1
         try:
             v = await asyncio.to_thread(validate, body, self.tokenizer, self.limits)
         except ValidationError as e:
             metrics.outcomes.labels("validation").inc()
             raise APIError(422, str(e), "validation") from e
+        finally:
+            self.validating -= 1
         job = Job(
             request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens,
                             reuse_prefix=not body.parameters.decoder_input_details),
