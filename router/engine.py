@@ -27,7 +27,6 @@ class Engine:
         self.to_filter: list[int] = []
         self._seen_lookups = self._seen_hits = 0
         self.last_step_failed = False
-        self.steps = 0
 
     def submit(self, job: Job) -> None:
         self.jobs[job.id] = job
@@ -100,7 +99,6 @@ class Engine:
             except ShardError as e:
                 await self._fail_all(str(e))
                 continue
-            self.steps += 1
             self.last_step_failed = False
             metrics.computed_tokens.inc(resp.tokens)
             metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)

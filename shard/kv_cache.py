@@ -24,7 +24,5 @@ def free_memory(device: torch.device, local_world_size: int) -> int:
 class KVCache:
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
         shape = (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
