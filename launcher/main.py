@@ -23,6 +23,11 @@ class Dtype(str, enum.Enum):
     float32 = "float32"
 
 
+class Policy(str, enum.Enum):
+    fifo = "fifo"                    # decodes, then chunked prompts, then new requests by priority and arrival
+    prefill_first = "prefill_first"  # chunked prompts first, then decodes, then new requests
+
+
 class Device(str, enum.Enum):
     auto = "auto"  # the shard picks cuda when it is available
     cpu = "cpu"
@@ -70,6 +75,15 @@ def main(
     max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS"),
     prefix_caching: bool = typer.Option(True, envvar="PREFIX_CACHING",
                                         help="share the KV blocks of common prompt prefixes (full-attention models)"),
+    num_blocks: Optional[int] = typer.Option(
+        None, envvar="NUM_BLOCKS", min=1, help="KV blocks in the pool (overrides --max-batch-total-tokens sizing)"),
+    scheduler: Policy = typer.Option(Policy.fifo, envvar="SCHEDULER", help="order of work within a step"),
+    safety_margin: Optional[float] = typer.Option(
+        None, envvar="SAFETY_MARGIN", min=0.0, max=1.0,
+        help="hold new prompts while free KV blocks are below this fraction (default: fifo 0.15, prefill_first 0)"),
+    cpu_offload_space: float = typer.Option(
+        4.0, envvar="CPU_OFFLOAD_SPACE", min=0.0,
+        help="GiB of host memory per shard for offloaded requests' KV blocks (0: soft reset instead)"),
 ):
     """Serves --model-id over HTTP with continuous batching across --num-shard shard processes."""
     try:
@@ -93,7 +107,8 @@ def main(
         waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
         block_size=block_size, max_memory_percent=max_memory_percent, graceful_timeout=graceful_timeout,
         trace_file=trace_file, payload_limit=payload_limit,
-        max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens)]
+        max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens, num_blocks=num_blocks,
+        scheduler=scheduler.value, safety_margin=safety_margin, cpu_offload_space=cpu_offload_space)]
     router_argv.append("--prefix-caching" if prefix_caching else "--no-prefix-caching")
 
     if api_key:

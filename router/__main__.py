@@ -35,6 +35,10 @@ def main(
     max_stop_sequences: int = 4,
     max_top_n_tokens: int = 5,
     prefix_caching: bool = typer.Option(True, help="share the KV blocks of common prompt prefixes"),
+    num_blocks: Optional[int] = typer.Option(None, help="KV blocks in the pool (default: from the budget or memory)"),
+    scheduler: str = typer.Option("fifo", help="fifo or prefill_first"),
+    safety_margin: Optional[float] = typer.Option(None, help="default: fifo 0.15, prefill_first 0"),
+    cpu_offload_space: float = typer.Option(4.0, help="GiB of host memory per shard for offloaded KV blocks"),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -45,7 +49,8 @@ def main(
     from proto import generate_pb2 as pb
     from router.block_table import BlockTable
     from router.engine import Engine
-    from router.scheduler import Budget, Scheduler
+    from router.scheduler import DEFAULT_SAFETY_MARGIN, POLICIES, Budget, Scheduler
+    from router.window import WindowTable
     from router.guards import Guards
     from router.server import install_routes
     from router.service import Service
@@ -53,6 +58,9 @@ def main(
     from router.trace import Trace
     from router.validation import Limits
 
+    if scheduler not in POLICIES:
+        raise typer.BadParameter(f"--scheduler must be one of {', '.join(POLICIES)}")
+    margin = DEFAULT_SAFETY_MARGIN[scheduler] if safety_margin is None else safety_margin
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     gen_cfg = GenerationConfig.from_pretrained(model_dir)
     eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tokenizer.eos_token_id
@@ -63,25 +71,36 @@ def main(
         shards = Shards(uds.split(","))
         await shards.health()
         info = await shards.info()
-        wanted = -(-max_batch_total_tokens // block_size) if max_batch_total_tokens else 0
-        num_blocks = await shards.warmup(pb.WarmupRequest(
+        wanted = num_blocks or (-(-max_batch_total_tokens // block_size) if max_batch_total_tokens else 0)
+        pools = await shards.warmup(pb.WarmupRequest(
             max_prefill_tokens=max_batch_prefill_tokens, max_batch_size=max_batch_size, num_blocks=wanted,
-            max_memory_fraction=max_memory_percent, max_total_tokens=max_total_tokens))
-        capacity = num_blocks * block_size
+            max_memory_fraction=max_memory_percent, max_total_tokens=max_total_tokens,
+            cpu_swap_bytes=int(cpu_offload_space * 2**30)))
+        blocks = pools.num_blocks
+        capacity = blocks * block_size
         total_budget = min(max_batch_total_tokens or capacity, capacity)
         if max_total_tokens > total_budget:
             message = (f"--max-total-tokens {max_total_tokens} does not fit in the KV cache ({total_budget} "
-                       f"tokens): lower --max-total-tokens or raise --max-batch-total-tokens / --max-memory-percent")
+                       f"tokens): lower --max-total-tokens or raise --max-batch-total-tokens / --num-blocks / "
+                       "--max-memory-percent")
             log.error(message)
             raise RuntimeError(message)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, room for %d requests of --max-total-tokens",
-                 num_blocks, block_size, capacity, capacity // max_total_tokens)
+                 blocks, block_size, capacity, capacity // max_total_tokens)
         budget = Budget(max_batch_prefill_tokens, total_budget, max_batch_size, waiting_served_ratio,
                         max_waiting_tokens)
         trace = Trace(open(trace_file, "w") if trace_file else None)
-        share = prefix_caching and not info.sliding_window  # sliding layers keep only a window: nothing to share
-        log.info("prefix caching %s", "on" if share else "off")
-        engine = Engine(shards, Scheduler(budget, BlockTable(num_blocks, block_size, share)), trace)
+        share = prefix_caching and not info.num_window_layers  # window layers keep no prefix to share
+        window = None
+        if info.num_window_layers and pools.num_window_blocks:
+            window = WindowTable(BlockTable(pools.num_window_blocks, block_size), info.sliding_window)
+            log.info("sliding-window layers: %d of %d, window %d, their own pool of %d blocks",
+                     info.num_window_layers, info.num_layers, info.sliding_window, pools.num_window_blocks)
+        swap = BlockTable(pools.num_swap_blocks, block_size) if pools.num_swap_blocks and not window else None
+        log.info("prefix caching %s; scheduler %s, safety margin %.2f; offload %s", "on" if share else "off",
+                 scheduler, margin, f"to {pools.num_swap_blocks} host blocks" if swap else "off (soft reset)")
+        engine = Engine(shards, Scheduler(budget, BlockTable(blocks, block_size, share), scheduler, margin,
+                                          swap, window), trace)
         svc.engine = engine
         svc.info.update({
             "model_id": model_dir, "model_dtype": info.dtype, "model_device_type": info.device,
@@ -90,7 +109,9 @@ def main(
             "max_batch_prefill_tokens": max_batch_prefill_tokens, "max_batch_size": max_batch_size,
             "waiting_served_ratio": waiting_served_ratio, "max_waiting_tokens": max_waiting_tokens,
             "max_concurrent_requests": max_concurrent_requests, "block_size": block_size,
-            "num_blocks": num_blocks, "router": "cb-router", "version": "0.1.0", "model_sha": None,
+            "num_blocks": blocks, "num_swap_blocks": swap.num_blocks if swap else 0,
+            "num_window_blocks": window.blocks.num_blocks if window else 0, "scheduler": scheduler,
+            "safety_margin": margin, "router": "cb-router", "version": "0.1.0", "model_sha": None,
             "model_pipeline_tag": "text-generation", "max_best_of": 1, "max_stop_sequences": max_stop_sequences,
             "max_top_n_tokens": max_top_n_tokens, "validation_workers": 1, "max_client_batch_size": 1,
             "sha": None, "docker_label": None,

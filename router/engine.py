@@ -1,6 +1,7 @@
 """The batching loop: one step at a time, in the same asyncio loop as the HTTP server.
 
-Each step: retire finished or cancelled requests (FilterBatch), let the scheduler decide what runs, send it to
+Each step: retire finished or cancelled requests (FilterBatch), let the scheduler decide what runs, make the
+shards forget soft-reset requests (FilterBatch) and move offloaded or restored blocks (Offload), send the step to
 every shard (Prefill when prompt tokens are in it, else Decode), and hand each sampled token to its job.
 """
 import asyncio
@@ -10,7 +11,7 @@ from typing import Optional
 from proto import generate_pb2 as pb
 from router import metrics
 from router.job import Job
-from router.scheduler import Entry, Scheduler
+from router.scheduler import Entry, Scheduler, Step
 from router.shards import ShardError, Shards
 from router.trace import Trace
 
@@ -42,7 +43,8 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        s = self.scheduler
+        return bool(s.running or s.waiting or s.offloaded)
 
     async def run(self) -> None:
         """Runs steps forever; a bug in one step fails the requests it touched, never the loop."""
@@ -68,6 +70,10 @@ class Engine:
         metrics.queue_size.set(len(s.waiting))
         metrics.blocks_free.set(s.blocks.num_free)
         metrics.blocks_total.set(s.blocks.num_blocks)
+        metrics.offloaded_requests.set(len(s.offloaded))
+        if s.swap is not None:
+            metrics.swap_free.set(s.swap.num_free)
+            metrics.swap_total.set(s.swap.num_blocks)
 
     async def _loop(self) -> None:
         while True:
@@ -79,17 +85,11 @@ class Engine:
                 continue
             step = self.scheduler.schedule()
             self.trace.step(step)
-            if step.preempted:
-                log.info("preempted %d request(s) to free KV blocks: %s", len(step.preempted),
-                         [r.id for r in step.preempted])
-                metrics.preemptions.inc(len(step.preempted))
-                for r in step.preempted:
-                    self.jobs[r.id].prefill_logprobs.clear()  # recomputed from the first token
-                try:  # before the step: the shards must forget them before they come back
-                    await self.shards.filter([r.id for r in step.preempted])
-                except ShardError as e:
-                    await self._fail_all(str(e))
-                    continue
+            try:
+                await self._move(step)
+            except ShardError as e:
+                await self._fail_all(str(e))
+                continue
             if not step.entries:
                 self.wake.clear()
                 await self.wake.wait()
@@ -101,6 +101,7 @@ class Engine:
                 continue
             self.last_step_failed = False
             metrics.computed_tokens.inc(resp.tokens)
+            metrics.prefill_chunks.inc(sum(1 for e in step.entries if not e.decode and not e.sample))
             metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
             for p in resp.prefill:
                 if p.id in self.jobs:
@@ -110,12 +111,39 @@ class Engine:
                 if job is not None and job.finish_reason is None:
                     job.on_token(g)
 
+    async def _move(self, step: Step) -> None:
+        """Before the step runs: soft-reset requests leave the shards (they come back as new ones), offloaded
+        blocks go to the swap pool and restored ones come back."""
+        if step.preempted:
+            log.info("soft reset of %d request(s) to free KV blocks: %s (they resume from their history)",
+                     len(step.preempted), [r.id for r in step.preempted])
+            metrics.preemptions.inc(len(step.preempted))
+            for r in step.preempted:
+                self.jobs[r.id].prefill_logprobs.clear()  # recomputed from the first token
+            await self.shards.filter([r.id for r in step.preempted])
+        if step.offloaded:
+            log.info("offloaded %d request(s) to host memory: %s (%d blocks)", len(step.offloaded),
+                     [r.id for r in step.offloaded], len(step.to_cpu))
+            metrics.offloads.inc(len(step.offloaded))
+            metrics.offloaded_blocks.inc(len(step.to_cpu))
+        if step.restored:
+            log.info("restored %d request(s) from host memory: %s (%d blocks)", len(step.restored),
+                     [r.id for r in step.restored], len(step.to_device))
+            metrics.restores.inc(len(step.restored))
+            metrics.restored_blocks.inc(len(step.to_device))
+        if step.to_cpu or step.to_device:
+            await self.shards.offload(pb.OffloadRequest(
+                to_cpu=[pb.BlockCopy(src=b, dst=s) for b, s in step.to_cpu],
+                to_device=[pb.BlockCopy(src=s, dst=b) for s, b in step.to_device],
+                tables=[pb.RequestBlocks(id=i, blocks=blocks) for i, blocks in step.tables.items()]))
+
     def _entry(self, e: Entry) -> pb.StepEntry:
         job = self.jobs[e.request.id]
         return pb.StepEntry(
             id=e.request.id, input_ids=e.request.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
             sample=e.sample, cached_tokens=e.start, parameters=job.parameters if e.first else None,
             prompt_tokens=len(e.request.prompt_ids) if e.first else 0,
+            new_window_blocks=e.new_window_blocks, window_dropped=e.window_dropped,
         )
 
     async def _retire(self) -> None:
@@ -143,11 +171,12 @@ class Engine:
                 await self._fail_all(str(e))
 
     async def _fail_all(self, message: str) -> None:
-        """A failed step poisons every running batch: fail the affected jobs and clear every shard."""
+        """A failed step poisons every running batch: fail the affected jobs (offloaded ones too: the shards
+        forget their state) and clear every shard."""
         log.error("step failed: %s", message)
         self.last_step_failed = True
         for job in list(self.jobs.values()):
-            if job.request in self.scheduler.running:
+            if job.request in self.scheduler.running or job.request in self.scheduler.offloaded:
                 job.fail(message)
                 metrics.outcomes.labels("error").inc()
                 self.scheduler.finish(job.request)

@@ -57,6 +57,7 @@ class Common(BaseModel):
     ignore_eos: bool = False
     top_k: Optional[int] = None
     repetition_penalty: Optional[float] = None
+    priority: int = 0
 
 
 class ChatMessage(BaseModel):
@@ -106,7 +107,7 @@ def to_parameters(req: Common, max_tokens: Optional[int], top_n: int) -> Paramet
         temperature=None if greedy else req.temperature, top_p=None if greedy else req.top_p,
         top_k=None if greedy else req.top_k, seed=req.seed,
         frequency_penalty=req.frequency_penalty or None, repetition_penalty=req.repetition_penalty,
-        stop=[s for s in stop if s], ignore_eos=req.ignore_eos, details=True, **extra,
+        stop=[s for s in stop if s], ignore_eos=req.ignore_eos, priority=req.priority, details=True, **extra,
     )
 
 

@@ -1,8 +1,9 @@
 """A request as the scheduler sees it: its tokens, how many of them are in the KV cache, its blocks.
 
 Every step feeds a request `tokens[computed : computed + n]`; when that reaches the end of what is known
-the shard samples the next token. A decode is simply the case n == 1. A preempted request (soft reset)
-keeps its tokens and starts over from computed == 0, so its history becomes its prompt.
+the shard samples the next token. A decode is simply the case n == 1. A soft-reset request keeps its tokens and
+starts over from computed == 0, so its history becomes its prompt; an offloaded one keeps everything, its
+blocks wait in swap slots until it is restored.
 """
 import itertools
 import time
@@ -15,6 +16,7 @@ _ids = itertools.count(1)
 class State(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    OFFLOADED = "offloaded"
     FINISHED = "finished"
 
 
@@ -22,7 +24,7 @@ class State(Enum):
 class Request:
     prompt_ids: list[int]
     max_new_tokens: int
-    priority: int = 0
+    priority: int = 0  # lower runs first; arrival order within a level
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     generated: list[int] = field(default_factory=list)
@@ -32,7 +34,16 @@ class Request:
     reuse_prefix: bool = True
     on_shards: bool = False  # the shards know it (its first step since admission was sent)
     state: State = State.WAITING
-    preemptions: int = 0
+    preemptions: int = 0  # soft resets
+    offloads: int = 0
+    swap_slots: list[int] = field(default_factory=list)  # where its blocks wait while offloaded
+    window_blocks: list[int] = field(default_factory=list)  # hybrid models: the sliding layers' blocks
+    window_base: int = 0  # logical index of window_blocks[0]
+
+    @property
+    def rank(self) -> tuple:
+        """Sort key: who goes first (admission, restore) and who is evicted last."""
+        return self.priority, self.arrival, self.id
 
     @property
     def tokens(self) -> list[int]:

@@ -53,6 +53,7 @@ class Service:
             self.validating -= 1
         job = Job(
             request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens,
+                            priority=body.parameters.priority,
                             reuse_prefix=not body.parameters.decoder_input_details),
             parameters=v.sampling,
             detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),

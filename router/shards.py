@@ -33,14 +33,19 @@ class Shards:
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest())
 
-    async def warmup(self, request: pb.WarmupRequest) -> int:
-        """Each shard sizes its own pool; the usable pool is the smallest of them."""
+    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        """Each shard sizes its own pools; the usable pools are the smallest of them."""
         answers = await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
         smallest = min(a.num_blocks for a in answers)
         if any(a.num_blocks != smallest for a in answers):
             request.num_blocks = smallest
-            await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
-        return smallest
+            answers = await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
+        return pb.WarmupResponse(num_blocks=smallest,
+                                 num_window_blocks=min(a.num_window_blocks for a in answers),
+                                 num_swap_blocks=min(a.num_swap_blocks for a in answers))
+
+    async def offload(self, request: pb.OffloadRequest) -> None:
+        await self._all("Offload", request)
 
     async def step(self, prefill: bool, entries: list[pb.StepEntry]) -> pb.StepResponse:
         return await self._all("Prefill" if prefill else "Decode", pb.StepRequest(entries=entries))

@@ -32,6 +32,7 @@ class Trace:
             "step": self.steps, "time": time.monotonic(), "arrivals": self.arrivals, "finished": self.finished,
             "entries": [[e.request.id, e.start, e.num_tokens, e.sample] for e in step.entries],
             "preempted": [r.id for r in step.preempted],
+            "offloaded": [r.id for r in step.offloaded], "restored": [r.id for r in step.restored],
         }) + "\n")
         self.out.flush()
         self.arrivals, self.finished = [], []

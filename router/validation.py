@@ -27,6 +27,7 @@ class Parameters(BaseModel):
     best_of: Optional[int] = None
     watermark: bool = False
     ignore_eos: bool = Field(False, description="cb extension (as vLLM): keep generating past EOS")
+    priority: int = Field(0, description="cb extension (as vLLM): lower is served first and evicted last")
 
 
 class GenerateRequest(BaseModel):
@@ -82,6 +83,8 @@ def _check_parameters(p: Parameters, limits: Limits) -> None:
     if len(p.stop) > limits.max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
                               f"Given: {len(p.stop)}")
+    if not -2**31 <= p.priority < 2**31:
+        raise ValidationError("`priority` must be a 32-bit integer")
     if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= limits.max_top_n_tokens:
         raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
                               f"Given: {p.top_n_tokens}")

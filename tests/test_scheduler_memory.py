@@ -1,0 +1,281 @@
+"""Unit tests for the memory side of router.scheduler: policies, priorities, the safety margin, offload and
+restore, the no-batch retry, and the sliding-window allocator. Pure Python, driven like test_scheduler."""
+import random
+
+import pytest
+
+from router.block_table import BlockTable
+from router.request import Request, State
+from router.scheduler import Budget, Scheduler
+from router.window import WindowTable
+from test_scheduler import advance, by_id, check, req
+
+
+def make(blocks=256, block_size=4, prefill=64, total=10_000, size=16, policy="fifo", margin=0.0, swap=0,
+         window=None, window_blocks=0) -> Scheduler:
+    win = WindowTable(BlockTable(window_blocks, block_size), window) if window else None
+    return Scheduler(Budget(prefill, total, size, 0.0, 0), BlockTable(blocks, block_size), policy, margin,
+                     BlockTable(swap, block_size) if swap else None, win)
+
+
+def step_once(s: Scheduler):
+    step = s.schedule()
+    check(s, step)
+    advance(s, step)
+    return step
+
+
+def drain(s: Scheduler, limit=10_000) -> list:
+    steps = []
+    for _ in range(limit):
+        if not (s.running or s.waiting or s.offloaded):
+            return steps
+        steps.append(step_once(s))
+    raise AssertionError("the scheduler never drained")
+
+
+def assert_empty(s: Scheduler) -> None:
+    assert s.blocks.num_free == s.blocks.num_blocks, "blocks leaked"
+    if s.swap is not None:
+        assert s.swap.num_free == s.swap.num_blocks, "swap slots leaked"
+    if s.window is not None:
+        assert s.window.blocks.num_free == s.window.blocks.num_blocks, "window blocks leaked"
+
+
+# Policies ---------------------------------------------------------------------------------------------------
+
+def _contended(policy: str):
+    """a decodes and b is mid-prompt; both need a block and one is free."""
+    s = make(blocks=3, block_size=4, prefill=8, policy=policy)
+    a, b = req(4, 6), req(8, 2)
+    s.add(a)
+    s.add(b)
+    step = step_once(s)                # a: its prompt (block 0); b: a 4-token chunk (block 1)
+    assert [(e.request, e.num_tokens) for e in step.entries] == [(a, 4), (b, 4)]
+    return s, a, b
+
+
+def test_fifo_gives_the_last_block_to_the_decode():
+    s, a, b = _contended("fifo")
+    assert [e.request for e in step_once(s).entries] == [a]
+    drain(s)
+    assert len(a.generated) == 6 and len(b.generated) == 2
+    assert_empty(s)
+
+
+def test_prefill_first_gives_the_last_block_to_the_chunked_prompt():
+    s, a, b = _contended("prefill_first")
+    assert [e.request for e in step_once(s).entries] == [b]
+    drain(s)
+    assert len(a.generated) == 6 and len(b.generated) == 2
+    assert_empty(s)
+
+
+def test_policies_order_the_step_entries():
+    for policy, first in (("fifo", "decode"), ("prefill_first", "chunk")):
+        s = make(blocks=64, block_size=4, prefill=4, policy=policy)
+        a, b = req(4, 20), req(12, 2)
+        s.add(a)
+        step_once(s)
+        s.add(b)
+        step_once(s)                   # b's first chunk
+        kinds = ["decode" if e.decode else "chunk" for e in step_once(s).entries]
+        assert kinds[0] == first and sorted(kinds) == ["chunk", "decode"]
+
+
+def test_priority_orders_admission_and_arrival_breaks_ties():
+    s = make(prefill=8)
+    low, high1, high2 = req(8, 1), req(8, 1), req(8, 1)
+    low.priority, high1.priority, high2.priority = 5, 0, 0
+    for r in (low, high1, high2):
+        s.add(r)
+    assert s.waiting == [high1, high2, low]
+    assert [e.request for e in step_once(s).entries] == [high1]
+    assert [e.request for e in step_once(s).entries] == [high2]
+    assert [e.request for e in step_once(s).entries] == [low]
+
+
+def test_priority_picks_the_eviction_victim():
+    """The worst rank goes: an old low-priority request before a new high-priority one (without priorities
+    the newest would go)."""
+    for prioritized in (True, False):
+        s = make(blocks=3, block_size=4)
+        old, new = req(4, 8), req(4, 8)
+        if prioritized:
+            old.priority, new.priority = 9, 0
+        s.add(old)
+        s.add(new)
+        for _ in range(20):
+            step = step_once(s)
+            if step.preempted:
+                break
+        assert step.preempted == ([old] if prioritized else [new])
+
+
+# Safety margin ----------------------------------------------------------------------------------------------
+
+def test_safety_margin_holds_new_prompts_but_not_running_requests():
+    s = make(blocks=20, block_size=4, margin=0.25)
+    a = req(58, 10)                    # 15 blocks: 5 free (25%, not below the margin)
+    s.add(a)
+    step_once(s)
+    b = req(4, 1)
+    s.add(b)
+    step = step_once(s)                # b admitted (1 block) and done
+    assert b in [e.request for e in step.entries] and b.state is State.FINISHED
+    step_once(s)
+    step_once(s)                       # a grows into a 16th block: 4 free, 20% < 25%
+    assert s.blocks.num_free == 4
+    c = req(4, 1)
+    s.add(c)
+    for _ in range(5):
+        step = step_once(s)
+        assert [e.request for e in step.entries] == [a], "below the margin only running requests go on"
+    assert c.state is State.WAITING
+    drain(s)
+    assert c.generated
+    assert_empty(s)
+
+
+def test_safety_margin_is_ignored_when_nothing_runs():
+    s = make(blocks=10, block_size=4, margin=0.9)
+    a = req(36, 1)
+    s.add(a)
+    step_once(s)
+    assert a.generated, "an idle server admits even below the margin"
+    assert_empty(s)
+
+
+def test_zero_margin_fills_the_pool():
+    s = make(blocks=8, block_size=4, margin=0.0)
+    for _ in range(4):
+        s.add(req(8, 1))
+    step = step_once(s)
+    assert len(step.entries) == 4
+
+
+# Offload and restore ----------------------------------------------------------------------------------------
+
+def _pressure(swap: int):
+    """Three requests whose decodes outgrow a 6-block pool (each alone needs 4 blocks)."""
+    s = make(blocks=6, block_size=4, swap=swap)
+    rs = [req(4, 12) for _ in range(3)]
+    for r in rs:
+        s.add(r)
+    return s, rs
+
+
+def test_offload_moves_the_newest_to_swap_and_restores_it_without_recompute():
+    s, (a, b, c) = _pressure(swap=8)
+    at_offload: dict[int, int] = {}
+    restored = []
+    while s.running or s.waiting or s.offloaded:
+        step = step_once(s)
+        if step.offloaded and not at_offload:
+            assert step.offloaded == [c] and not step.preempted, "the newest goes first"
+        for r in step.offloaded:
+            assert step.tables[r.id] == [] and r not in [e.request for e in step.entries]
+            at_offload[r.id] = r.computed
+        for r in step.restored:
+            entry = by_id(step)[r.id]
+            assert not entry.first and entry.start == at_offload[r.id], "it continues where it stopped"
+            assert set(step.tables[r.id]) <= {dst for _, dst in step.to_device}, "its blocks are copied back"
+            restored.append((r, entry.start))
+    assert at_offload and {r.id for r, _ in restored} == set(at_offload)
+    assert all(r.preemptions == 0 and len(r.generated) == 12 for r in (a, b, c))
+    assert_empty(s)
+
+
+def test_full_swap_falls_back_to_soft_reset():
+    s, (a, b, c) = _pressure(swap=1)   # too small for any request's blocks
+    steps = drain(s)
+    assert any(st.preempted for st in steps) and not any(st.offloaded for st in steps)
+    assert_empty(s)
+
+
+def test_nothing_is_admitted_while_a_request_is_offloaded():
+    s, rs = _pressure(swap=8)
+    late = None
+    for _ in range(200):
+        step = step_once(s)
+        if s.offloaded and late is None:
+            late = req(1, 1)
+            s.add(late)
+        if s.offloaded:
+            assert late not in [e.request for e in step.entries]
+        if not (s.running or s.waiting or s.offloaded):
+            break
+    assert late is not None and late.generated
+    assert_empty(s)
+
+
+def test_no_batch_at_all_evicts_and_retries_within_the_step():
+    """Two prompts mid-chunk hold the whole pool: neither can continue, so the worse is evicted at once."""
+    s = make(blocks=4, block_size=4, prefill=8, swap=8)
+    a, b = req(16, 1), req(16, 1)
+    for r in (a, b):                   # as after restores: both running, 8 tokens in, 2 blocks each
+        r.state, r.blocks, r.computed, r.on_shards = State.RUNNING, s.blocks.allocate(2), 8, True
+        s.running.append(r)
+    step = step_once(s)
+    assert step.offloaded == [b] and [(e.request, e.num_tokens) for e in step.entries] == [(a, 8)]
+    drain(s)
+    assert a.generated and b.generated and b.offloads == 1 and b.preemptions == 0
+    assert_empty(s)
+
+
+# Sliding window ---------------------------------------------------------------------------------------------
+
+def test_window_table_keeps_only_blocks_a_query_can_see():
+    bt = BlockTable(64, 4)
+    win = WindowTable(bt, window=8)
+    r = req(40, 1)
+    dropped, new = win.advance(r, 0, 16)           # a chunk writes blocks 0-3
+    assert (dropped, len(new)) == (0, 4)
+    dropped, new = win.advance(r, 16, 1)           # query 16 sees 9..16: blocks 0, 1 are dead
+    assert (dropped, len(new), r.window_base) == (2, 1, 2) and len(r.window_blocks) == 3
+    dropped, new = win.advance(r, 17, 1)
+    assert (dropped, len(new)) == (0, 0)
+    win.release(r)
+    assert bt.num_free == 64
+
+
+def test_window_pool_stays_small_and_nothing_leaks():
+    s = make(blocks=200, block_size=4, prefill=8, window=8, window_blocks=40)
+    rs = [req(30, 20) for _ in range(4)]
+    for r in rs:
+        s.add(r)
+    peak = 0
+    for step in drain(s):
+        for e in step.entries:
+            assert e.request.window_base * 4 <= max(0, e.start - 8 + 1), "a visible block was dropped"
+        peak = max(peak, s.window.blocks.num_used)
+    assert peak <= 4 * (2 + 2) + 2, f"window pool peaked at {peak} blocks"
+    assert all(len(r.generated) == 20 for r in rs)
+    assert_empty(s)
+
+
+# Everything at once -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_pressure_with_swap_and_priorities_finishes_everything(policy, seed):
+    rng = random.Random(seed)
+    s = make(blocks=24, block_size=4, prefill=12, total=96, size=6, policy=policy, swap=rng.choice([0, 6, 30]),
+             margin=rng.choice([0.0, 0.15]))
+    reqs = [req(rng.randint(1, 40), rng.randint(1, 30)) for _ in range(40)]
+    for r in reqs:
+        r.priority = rng.randint(0, 2)
+    pending = list(reqs)
+    for _ in range(20_000):
+        while pending and rng.random() < 0.3:
+            s.add(pending.pop(0))
+        if not (pending or s.running or s.waiting or s.offloaded):
+            break
+        step = step_once(s)
+        slots = [x for r in s.offloaded for x in r.swap_slots]
+        assert len(slots) == len(set(slots))
+        assert all(r.state is State.OFFLOADED and not r.blocks for r in s.offloaded)
+        if s.running and not step.entries:
+            raise AssertionError("a step with running requests scheduled nothing")
+    assert all(len(r.generated) == r.max_new_tokens for r in reqs)
+    assert_empty(s)
