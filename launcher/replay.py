@@ -31,16 +31,23 @@ def budget_from_info(info: dict) -> tuple[Budget, int, int]:
     return budget, int(info["num_blocks"]), int(info["block_size"])
 
 
+def scheduler_options(info: dict) -> dict:
+    """The policy, safety margin and swap pool a live server reports in /info (older servers: none)."""
+    return {"policy": info.get("scheduler", "fifo"), "safety_margin": float(info.get("safety_margin", 0.0)),
+            "swap_blocks": int(info.get("num_swap_blocks", 0))}
+
+
 def replay(lines: list[dict], budget: Budget, num_blocks: int, block_size: int,
-           cost: CostModel | None = None, prefix_caching: bool = True) -> tuple[list[str], SimResult]:
-    """Returns (differences, the simulation); no differences means identical decisions at every step."""
+           cost: CostModel | None = None, prefix_caching: bool = True, **options) -> tuple[list[str], SimResult]:
+    """Returns (differences, the simulation); no differences means identical decisions at every step.
+    `options`: scheduler_options() of the traced server."""
     reqs, at_steps = trace_requests(lines)
     sim = simulate_continuous(reqs, budget, num_blocks, block_size, cost, at_steps=at_steps, record=True,
-                              prefix_caching=prefix_caching)
+                              prefix_caching=prefix_caching, **options)
     diffs = []
     for k, (live, mine) in enumerate(zip(lines, sim.decisions)):
-        for key in ("entries", "preempted", "finished"):
-            want = [list(x) for x in live[key]] if key != "preempted" else list(live[key])
+        for key in ("entries", "preempted", "offloaded", "restored", "finished"):
+            want = [list(x) for x in live.get(key, [])] if key in ("entries", "finished") else live.get(key, [])
             got = mine[key]
             if key == "finished":
                 want, got = sorted(want), sorted(got)

@@ -18,7 +18,7 @@ import typer
 
 from launcher import scenarios
 from launcher.cost_model import CostModel, calibrate, read_trace
-from launcher.replay import replay
+from launcher.replay import replay, scheduler_options
 from launcher.workloads import (DEFAULT_WORKLOAD, arrival_times, describe, load_w64, parse_rate, random_workload,
                                 seed002, seed004)
 from router.scheduler import Budget
@@ -109,7 +109,7 @@ def main(
 
     if replay_trace is not None:
         lines = read_trace(replay_trace)
-        diffs, sim = replay(lines, budget, blocks, bs, model, prefix_caching)
+        diffs, sim = replay(lines, budget, blocks, bs, model, prefix_caching, **scheduler_options(info))
         typer.echo(f"replayed {len(lines)} traced steps ({len(sim.records)} requests) through the production "
                    f"scheduler: {'identical decisions' if not diffs else f'{len(diffs)} differences'}")
         for d in diffs[:20]:

@@ -30,7 +30,8 @@ class SimResult:
     total: float = 0.0             # time of the last token (seconds, or steps under the unit cost)
     generated: int = 0
     peak_blocks: int = 0
-    preemptions: int = 0           # soft resets (the production scheduler has no CPU offload)
+    preemptions: int = 0           # soft resets
+    offloads: int = 0
     decisions: list = field(default_factory=list)  # per schedule() call, when recorded
 
     @property
@@ -100,7 +101,8 @@ def _clean(records: dict) -> list[dict]:
 def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_size: int,
                         cost: Optional[CostModel] = None, times: Optional[list[float]] = None,
                         at_steps: Optional[list[int]] = None, record: bool = False,
-                        prefix_caching: bool = True) -> SimResult:
+                        prefix_caching: bool = True, policy: str = "fifo", safety_margin: float = 0.0,
+                        swap_blocks: int = 0) -> SimResult:
     """Continuous batching through router.scheduler.Scheduler. `times`: arrival offsets (default all at 0);
     `at_steps`: instead, the index of the schedule() call each request arrives just before (trace replay).
     The simulator knows lengths, not texts: requests without ids never share prefix blocks with each other."""
@@ -108,7 +110,8 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
     times = times or [0.0] * len(reqs)
     keys = at_steps if at_steps is not None else times
     pending = deque(sorted(range(len(reqs)), key=lambda i: (keys[i], i)))
-    sched = Scheduler(budget, block_table(num_blocks, block_size, prefix_caching))
+    swap = BlockTable(swap_blocks, block_size) if swap_blocks else None
+    sched = Scheduler(budget, block_table(num_blocks, block_size, prefix_caching), policy, safety_margin, swap)
     res = SimResult("continuous", [], budget.max_batch_size)
     records: dict[int, dict] = {}
     arrived_at: dict[int, float] = {}
@@ -147,7 +150,7 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
         done = []
         while pending and due(pending[0]):
             add(pending.popleft())
-        if not (sched.running or sched.waiting):
+        if not (sched.running or sched.waiting or sched.offloaded):
             if not pending:
                 break
             jump()
@@ -156,11 +159,13 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
         calls += 1
         res.peak_blocks = max(res.peak_blocks, sched.blocks.num_used)
         res.preemptions += len(step.preempted)
+        res.offloads += len(step.offloaded)
         if record:  # the live trace's format (router/trace.py), so a simulated run can be replayed or calibrated on
             res.decisions.append({
                 "step": calls - 1, "time": now, "arrivals": arrived, "finished": retired,
                 "entries": [[e.request.id, e.start, e.num_tokens, e.sample] for e in step.entries],
-                "preempted": [r.id for r in step.preempted]})
+                "preempted": [r.id for r in step.preempted], "offloaded": [r.id for r in step.offloaded],
+                "restored": [r.id for r in step.restored]})
         retired, arrived = [], []
         for e in step.entries:
             rec = records[e.request.id]

@@ -14,7 +14,7 @@ import pytest
 from launcher import bench_client
 from launcher.bench_stats import parse_slos, percentile, side_by_side, summarize
 from launcher.cost_model import read_trace
-from launcher.replay import budget_from_info, replay
+from launcher.replay import budget_from_info, replay, scheduler_options
 from launcher.workloads import arrival_times, load_w64, random_workload
 from conftest import REPO, Server, free_port
 
@@ -128,7 +128,7 @@ def test_simulator_decides_as_the_live_router(traced_server):
     assert sum(len(line["arrivals"]) for line in lines) == 10
     assert any(e[1] > 0 and e[2] > 1 for line in lines for e in line["entries"])  # a prompt was chunked
     budget, num_blocks, block_size = budget_from_info(traced_server.info())
-    diffs, sim = replay(lines, budget, num_blocks, block_size)
+    diffs, sim = replay(lines, budget, num_blocks, block_size, **scheduler_options(traced_server.info()))
     assert diffs == [], "\n".join(diffs[:10])
     assert len(sim.decisions) == len(lines)
     print(f"{len(lines)} steps, {sim.preemptions} preemptions, identical")

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from router.block_table import BlockTable
-from router.request import Request, State
+from router.request import State
 from router.scheduler import Budget, Scheduler
 from router.window import WindowTable
 from test_scheduler import advance, by_id, check, req
@@ -169,7 +169,9 @@ def test_offload_moves_the_newest_to_swap_and_restores_it_without_recompute():
     s, (a, b, c) = _pressure(swap=8)
     at_offload: dict[int, int] = {}
     restored = []
-    while s.running or s.waiting or s.offloaded:
+    for _ in range(1000):
+        if not (s.running or s.waiting or s.offloaded):
+            break
         step = step_once(s)
         if step.offloaded and not at_offload:
             assert step.offloaded == [c] and not step.preempted, "the newest goes first"
