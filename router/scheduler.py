@@ -8,8 +8,8 @@ A step serves, in this order:
 3. Waiting requests are admitted by rank (priority, lower first, then arrival) while the prefill budget, the
    total-token budget, max_batch_size and every allocator (the pool and, on hybrid models, the window pool)
    allow; a prompt larger than what is left is chunked. Nothing is allocated unless the whole plan fits.
-   Admission pauses while anything is offloaded (restores go first), in a step that evicted (the victim would
-   come straight back), while free blocks are below --safety-margin of the pool (running requests keep the
+   Admission stops at the first request ranked below an offloaded one (that one is restored first), pauses in
+   a step that evicted (the victim would come straight back), while free blocks are below --safety-margin of the pool (running requests keep the
    rest; ignored when nothing runs), and, with requests running, until waiting_served_ratio waiting requests
    per running one are queued or max_waiting_tokens steps have passed since the last admission (TGI's rule).
 
@@ -142,7 +142,7 @@ class Scheduler:
         if not step.evicted:
             prefill_left, held = self._restore(step, scheduled, prefill_left, held)
         admitted = 0
-        if not step.evicted and not self.offloaded:
+        if not step.evicted:
             admitted = self._admit(step, scheduled, prefill_left, held)
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
 
@@ -194,6 +194,8 @@ class Scheduler:
         for req in self.waiting:
             if slots <= 0 or prefill_left <= 0 or ((self.running or plan) and free < reserve):
                 break
+            if self.offloaded and req.rank > self.offloaded[0].rank:
+                break  # an offloaded request that outranks it comes back first
             hits, names = [], []
             if req.reuse_prefix:
                 hits, names = self.blocks.lookup(req.tokens[:req.num_tokens - 1])  # the last token is computed

@@ -195,7 +195,7 @@ def test_full_swap_falls_back_to_soft_reset():
     assert_empty(s)
 
 
-def test_nothing_is_admitted_while_a_request_is_offloaded():
+def test_nothing_ranked_below_an_offloaded_request_is_admitted():
     s, rs = _pressure(swap=8)
     late = None
     for _ in range(200):
@@ -209,6 +209,28 @@ def test_nothing_is_admitted_while_a_request_is_offloaded():
             break
     assert late is not None and late.generated
     assert_empty(s)
+
+
+def test_a_request_outranking_the_offloaded_ones_is_admitted():
+    from router.scheduler import Step
+    s = make(blocks=4, block_size=4, swap=8)
+    big, holder = req(17, 4), req(9, 20)  # each decoding: all but its last token computed
+    for r in (big, holder):
+        s.add(r)
+    for r, n in ((big, 4), (holder, 2)):  # as if running: big fills the pool, holder arrived later
+        s.waiting.remove(r)
+        r.state, r.blocks, r.computed, r.on_shards = State.RUNNING, [], 4 * n, True
+        s.running.append(r)
+    big.blocks = s.blocks.allocate(4)
+    s.offload(big, Step())
+    holder.blocks = s.blocks.allocate(2)  # big cannot come back (4 blocks, 2 free)
+    low, urgent = req(2, 1), req(2, 1)
+    urgent.priority = -1
+    s.add(low)
+    s.add(urgent)
+    step = step_once(s)
+    admitted = [e.request for e in step.entries if e.first]
+    assert admitted == [urgent] and low.state is State.WAITING and big.state is State.OFFLOADED
 
 
 def test_no_batch_at_all_evicts_and_retries_within_the_step():
