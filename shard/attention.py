@@ -6,9 +6,12 @@ new keys and values are written into the cache at their slots; then each request
 Requests are grouped in two padded batches built once per step (`StepLayout`): decodes (one query each) and
 prompt chunks (causal within the chunk, after everything cached before it). The linear layers never see
 padding; only these two attention calls do.
+
+Hybrid models keep their sliding-window layers in a second pool (see kv_cache.py) with a per-request block
+table that starts at some block of the sequence rather than its first: each pool has its own `PoolStep` (slots
+and block tables), and a group's keys start at `key_start` instead of position 0.
 """
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +28,11 @@ class Group:
     block_tables: torch.Tensor  # [B, NB] physical blocks of each request (padded with block 0)
     query_pos: torch.Tensor    # [B, Q] position of each query in its sequence
     kv_len: torch.Tensor       # [B] tokens visible to the request after this step
+    key_start: torch.Tensor    # [B] position of the first key in the block table (0 but in the window pool)
 
-    def mask(self, block_size: int, window: Optional[int]) -> torch.Tensor:
+    def mask(self, block_size: int, window: int | None) -> torch.Tensor:
         """[B, Q, K] bool: key j is visible to query i (causal, within kv_len, inside the window)."""
-        keys = torch.arange(self.block_tables.shape[1] * block_size)
+        keys = self.key_start.view(-1, 1, 1) + torch.arange(self.block_tables.shape[1] * block_size)
         qpos = self.query_pos.unsqueeze(-1)
         visible = (keys <= qpos) & (keys < self.kv_len.view(-1, 1, 1))
         if window:
@@ -38,24 +42,31 @@ class Group:
 
 
 @dataclass
-class StepLayout:
+class PoolStep:
+    """One pool's share of the step: where each new token's K/V goes, and what each group attends to."""
     slots: torch.Tensor        # [T] cache slot of each token in the ragged sequence
     groups: list[Group]
     block_size: int
-    cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [kv_heads, num_blocks, block_size, dim]
     _masks: dict
 
-    def mask(self, i: int, window: Optional[int]) -> torch.Tensor:
+    def mask(self, i: int, window: int | None) -> torch.Tensor:
         key = (i, window)
         if key not in self._masks:
             self._masks[key] = self.groups[i].mask(self.block_size, window).to(self.slots.device)
         return self._masks[key]
 
 
-_current: Optional[StepLayout] = None
+@dataclass
+class StepLayout:
+    full: PoolStep
+    window: PoolStep | None  # hybrid models: the sliding-window layers' pool
+    cache: list[tuple[bool, torch.Tensor, torch.Tensor]]  # per layer (in the window pool, k, v), see KVCache
 
 
-def set_step(layout: Optional[StepLayout]) -> None:
+_current: StepLayout | None = None
+
+
+def set_step(layout: StepLayout | None) -> None:
     """The runner sets the step's layout before the forward pass; every layer reads it."""
     global _current
     _current = layout
@@ -64,23 +75,23 @@ def set_step(layout: Optional[StepLayout]) -> None:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]. The cache is head-major
     ([Hkv, blocks, block_size, D]), so gathering a request's blocks yields contiguous [L, D] matrices per head."""
-    layout = _current
-    k_cache, v_cache = layout.cache[module.layer_idx]
+    in_window, k_cache, v_cache = _current.cache[module.layer_idx]
+    step = _current.window if in_window else _current.full
     hkv, nb, bs, dim = k_cache.shape
-    k_cache.view(hkv, nb * bs, dim).index_copy_(1, layout.slots, key[0].to(k_cache.dtype))
-    v_cache.view(hkv, nb * bs, dim).index_copy_(1, layout.slots, value[0].to(v_cache.dtype))
+    k_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, key[0].to(k_cache.dtype))
+    v_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, value[0].to(v_cache.dtype))
 
     heads, tokens = query.shape[1], query.shape[2]
     q = query[0].view(hkv, heads // hkv, tokens, dim)
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else dim ** -0.5
-    window = getattr(module, "sliding_window", None)
-    for i, grp in enumerate(layout.groups):
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    for i, grp in enumerate(step.groups):
         b, width = grp.block_tables.shape
         kg = k_cache[:, grp.block_tables].view(hkv, b, width * bs, dim)
         vg = v_cache[:, grp.block_tables].view(hkv, b, width * bs, dim)
         attend = _decodes if grp.rows.shape[1] == 1 else _chunks
-        og = attend(q[:, :, grp.rows], kg, vg, layout.mask(i, window), scale)
+        og = attend(q[:, :, grp.rows], kg, vg, step.mask(i, window), scale)
         out[:, :, grp.rows[grp.valid]] = og[:, :, grp.valid]
     return out.view(heads, tokens, dim).transpose(0, 1).unsqueeze(0), None
 

@@ -17,7 +17,8 @@ class LoadedModel:
     num_layers: int
     kv_heads: int      # on this rank
     head_dim: int
-    sliding_window: int
+    sliding_window: int  # 0 when no layer slides
+    sliding: list[bool]  # per layer: attends within sliding_window (its KV lives in the window pool)
 
 
 def text_config(config):
@@ -35,6 +36,7 @@ def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int
         kv_heads = shard_model(model, rank, world)
     model.to(device)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    has_sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    sliding = [t == "sliding_attention" and bool(cfg.sliding_window) for t in types]
     return LoadedModel(model, cfg, cfg.num_hidden_layers, kv_heads, head_dim,
-                       (cfg.sliding_window or 0) if has_sliding else 0)
+                       cfg.sliding_window if any(sliding) else 0, sliding)

@@ -1,17 +1,16 @@
 """Executes one step: the ragged batch the router scheduled, in one forward pass, then sampling.
 
 The runner keeps, per running request, what the router need not resend: sampling parameters, the block
-table and the number of cached tokens (and the token history, for penalties).
+tables and the number of cached tokens (and the token history, for penalties).
 """
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from proto import generate_pb2 as pb
 from shard import attention
-from shard.attention import Group, StepLayout
+from shard.attention import Group, PoolStep, StepLayout
 from shard.kv_cache import KVCache
 from shard.model import LoadedModel
 from shard.sampling import Params, sample
@@ -24,8 +23,12 @@ class RequestState:
     prefill_logprobs: bool = False
     blocks: list[int] = field(default_factory=list)
     cached: int = 0
+    # Hybrid models: the sliding layers' block table, holding only blocks a query can still see. Its first block
+    # holds the tokens from window_base * block_size on (window_base: blocks dropped from its front so far).
+    window_blocks: list[int] = field(default_factory=list)
+    window_base: int = 0
     history: list[int] = field(default_factory=list)
-    pending_row: Optional[torch.Tensor] = None  # last prompt row's logits, scoring the next chunk's first token
+    pending_row: torch.Tensor | None = None  # last prompt row's logits, scoring the next chunk's first token
 
     def wants_prefill_logprobs(self, n: int) -> bool:
         return self.prefill_logprobs and self.cached < self.prompt_tokens and n > 0
@@ -46,11 +49,19 @@ class Runner:
         self.cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         m = self.loaded
-        self.cache = None  # the old pool is freed before the new one is allocated
-        self.cache = KVCache(m.num_layers, num_blocks, self.block_size, m.kv_heads, m.head_dim,
+        self.cache = None  # the old pools are freed before the new ones are allocated
+        self.cache = KVCache(m.sliding, num_blocks, num_window_blocks, self.block_size, m.kv_heads, m.head_dim,
                              self.model.dtype, self.device)
+
+    def rebind(self, request_id: int, blocks: list[int]) -> None:
+        """Replaces a request's full-pool block table after an offload (no blocks) or a restore (its new
+        blocks); everything else about it is kept."""
+        st = self.requests.get(request_id)
+        if st is None:
+            raise StepError(f"request {request_id} is not known to this shard")
+        st.blocks = list(blocks)
 
     def filter(self, remove_ids) -> None:
         for i in remove_ids:
@@ -63,26 +74,29 @@ class Runner:
     def step(self, entries) -> tuple[list[pb.Generation], list[pb.PrefillLogprobs], int]:
         """entries: proto StepEntry list. Returns (generations, prompt logprobs, forward nanoseconds)."""
         states = [self._state(e) for e in entries]
-        ids, positions, slots, keep = [], [], [], []
+        windowed = self.cache.window is not None
+        ids, positions, slots, window_slots, keep = [], [], [], [], []
         decode, chunks = [], []
         offset = 0
         for e, st in zip(entries, states):
             n = len(e.input_ids)
             pos = torch.arange(st.cached, st.cached + n)
-            table = torch.tensor(st.blocks)
             ids.append(torch.tensor(e.input_ids))
             positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            slots.append(self._slots(st.blocks, 0, pos))
+            if windowed:
+                window_slots.append(self._slots(st.window_blocks, st.window_base, pos))
             (decode if n == 1 else chunks).append((offset, n, st))
             if st.wants_prefill_logprobs(n):
                 keep.extend(range(offset, offset + n))
             elif e.sample:
                 keep.append(offset + n - 1)
             offset += n
+        members = [g for g in (decode, chunks) if g]
         layout = StepLayout(
-            slots=torch.cat(slots).to(self.device),
-            groups=[self._group(g) for g in (decode, chunks) if g],
-            block_size=self.block_size, cache=self.cache.layers, _masks={},
+            full=self._pool_step(slots, members, window=False),
+            window=self._pool_step(window_slots, members, window=True) if windowed else None,
+            cache=self.cache.layers,
         )
         start = time.perf_counter_ns()
         attention.set_step(layout)
@@ -137,7 +151,8 @@ class Runner:
         return scored
 
     def _state(self, e) -> RequestState:
-        if e.HasField("parameters"):
+        first = e.HasField("parameters")
+        if first:
             self.requests[e.id] = RequestState(Params.from_proto(e.parameters), e.prompt_tokens,
                                                e.parameters.prefill_logprobs, cached=e.cached_tokens)
         st = self.requests.get(e.id)
@@ -148,34 +163,67 @@ class Runner:
         st.blocks.extend(e.new_blocks)
         if -(-(st.cached + len(e.input_ids)) // self.block_size) > len(st.blocks):
             raise StepError(f"request {e.id}: {len(st.blocks)} blocks cannot hold its tokens")
+        if self.cache.window is not None:
+            self._slide(e, st, first)
         return st
+
+    def _slide(self, e, st: RequestState, first: bool) -> None:
+        """Applies the router's changes to the window table, then checks that it still holds every key the
+        step's queries see in the sliding layers and has a slot for every token the step writes."""
+        if not first and e.window_dropped > len(st.window_blocks):
+            raise StepError(f"request {e.id}: drops {e.window_dropped} window blocks, holds {len(st.window_blocks)}")
+        del st.window_blocks[:e.window_dropped]
+        st.window_base += e.window_dropped
+        st.window_blocks.extend(e.new_window_blocks)
+        bs, start, end = self.block_size, st.window_base * self.block_size, st.cached + len(e.input_ids)
+        seen = max(0, st.cached - self.loaded.sliding_window + 1)  # the first query's oldest visible key
+        if start > seen:
+            raise StepError(f"request {e.id}: window table starts at token {start}, but token {seen} is still "
+                            f"visible to the query at {st.cached}")
+        if start + len(st.window_blocks) * bs < end:
+            raise StepError(f"request {e.id}: window table ends at token {start + len(st.window_blocks) * bs}, "
+                            f"the step writes up to token {end}")
+
+    def _slots(self, table: list[int], base: int, pos: torch.Tensor) -> torch.Tensor:
+        """Cache slot of each position, in a block table whose first block is logical block `base`."""
+        return torch.tensor(table)[pos // self.block_size - base] * self.block_size + pos % self.block_size
 
     def _history(self, st: RequestState):
         return torch.tensor(st.history, device=self.device) if st.params.penalized else None
 
-    def _group(self, members) -> Group:
-        width = max(len(st.blocks) for _, _, st in members)
+    def _pool_step(self, slots: list[torch.Tensor], members, window: bool) -> PoolStep:
+        return PoolStep(torch.cat(slots).to(self.device), [self._group(g, window) for g in members],
+                        self.block_size, {})
+
+    def _group(self, members, window: bool) -> Group:
+        """window: address the sliding layers' pool (window tables, keys from window_base on)."""
+        tables = [st.window_blocks if window else st.blocks for _, _, st in members]
+        width = max(len(t) for t in tables)
         q = max(n for _, n, _ in members)
         rows = torch.zeros(len(members), q, dtype=torch.long)
         valid = torch.zeros(len(members), q, dtype=torch.bool)
-        tables = torch.zeros(len(members), width, dtype=torch.long)
+        padded = torch.zeros(len(members), width, dtype=torch.long)
         qpos = torch.zeros(len(members), q, dtype=torch.long)
         kv_len = torch.zeros(len(members), dtype=torch.long)
-        for i, (offset, n, st) in enumerate(members):
+        key_start = torch.zeros(len(members), dtype=torch.long)
+        for i, ((offset, n, st), table) in enumerate(zip(members, tables)):
             rows[i, :n] = torch.arange(offset, offset + n)
             valid[i, :n] = True
-            tables[i, :len(st.blocks)] = torch.tensor(st.blocks)
+            padded[i, :len(table)] = torch.tensor(table)
             qpos[i, :n] = torch.arange(st.cached, st.cached + n)
             kv_len[i] = st.cached + n
+            key_start[i] = st.window_base * self.block_size if window else 0
         d = self.device
-        return Group(rows.to(d), valid.to(d), tables.to(d), qpos, kv_len)
+        return Group(rows.to(d), valid.to(d), padded.to(d), qpos, kv_len, key_start)
 
     def warmup(self, max_prefill_tokens: int) -> None:
         """One forward at the largest step size, so activation memory is known before the pool is sized."""
         blocks = -(-max_prefill_tokens // self.block_size)
-        self.allocate(blocks)
+        windowed = any(self.loaded.sliding)
+        self.allocate(blocks, blocks if windowed else 0)
         self.requests.clear()
         entry = pb.StepEntry(id=0, input_ids=[1] * max_prefill_tokens, new_blocks=list(range(blocks)),
+                             new_window_blocks=list(range(blocks)) if windowed else [],
                              sample=True, parameters=pb.SamplingParameters())
         self.step([entry])
         self.requests.clear()

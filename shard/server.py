@@ -31,29 +31,47 @@ class ShardService(pb_grpc.ShardServicer):
             world_size=self.world, block_size=self.runner.block_size, num_layers=m.num_layers,
             num_kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.config.vocab_size,
             max_position_embeddings=getattr(m.config, "max_position_embeddings", 0) or 0,
-            sliding_window=m.sliding_window,
+            sliding_window=m.sliding_window, num_window_layers=sum(m.sliding),
         )
 
     def Health(self, request, context):
         return pb.HealthResponse()
 
     def Warmup(self, request, context):
-        r = self.runner
+        r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
-        per_block = bytes_per_block(self.loaded.num_layers, r.block_size, self.loaded.kv_heads,
-                                    self.loaded.head_dim, self.loaded.model.dtype)
+        window_layers = sum(m.sliding)
+        per_block = bytes_per_block(m.num_layers - window_layers, r.block_size, m.kv_heads, m.head_dim,
+                                    m.model.dtype)
+        per_window_block = bytes_per_block(window_layers, r.block_size, m.kv_heads, m.head_dim, m.model.dtype)
+        # The window pool is sized so that it never runs out. In a step computing n of its tokens, a request's
+        # window table spans from its oldest visible key (first query - window + 1) to its newest token: at most
+        # ceil((window - 1) / bs) + 1 + ceil((n - 1) / bs) blocks, and over the batch the last terms add up to at
+        # most ceil(max_prefill_tokens / bs) + max_batch_size. Nor can it need more blocks than the full pool
+        # has: a window table holds a subset of the same request's blocks.
+        most_window = 0
+        if window_layers:
+            most_window = (request.max_batch_size * (-(-(m.sliding_window - 1) // r.block_size) + 2)
+                           + -(-max(request.max_prefill_tokens, 1) // r.block_size))
         num_blocks = request.num_blocks
         if not num_blocks:
             local_world = self.world if r.device.type == "cpu" else 1
             budget = free_memory(r.device, local_world) * (request.max_memory_fraction or 0.9)
+            fit = int((budget - most_window * per_window_block) // per_block)
+            if fit < most_window:  # too little memory for both: pools of equal size
+                fit = int(budget // (per_block + per_window_block))
             most_ever = request.max_batch_size * -(-request.max_total_tokens // r.block_size)
-            num_blocks = min(int(budget // per_block), most_ever or int(budget // per_block))
+            num_blocks = min(fit, most_ever or fit)
+        num_window_blocks = min(most_window, num_blocks)
         if num_blocks < 1:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no memory left for a single KV block")
-        r.allocate(num_blocks)
+        r.allocate(num_blocks, num_window_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, r.block_size,
                  num_blocks * per_block / 2**20)
-        return pb.WarmupResponse(num_blocks=num_blocks)
+        if num_window_blocks:
+            log.info("sliding-window layers' KV cache: %d blocks (%.1f MiB)", num_window_blocks,
+                     num_window_blocks * per_window_block / 2**20)
+        return pb.WarmupResponse(num_blocks=num_blocks, num_window_blocks=num_window_blocks)
 
     def _step(self, request, context):
         try:
