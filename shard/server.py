@@ -3,6 +3,7 @@ ranks before the next call), so the collectives inside a forward pass line up; r
 """
 import logging
 import os
+import time
 from concurrent import futures
 
 import grpc
@@ -13,6 +14,7 @@ from proto import generate_pb2_grpc as pb_grpc
 from shard.kv_cache import bytes_per_block, free_memory
 from shard.model import LoadedModel
 from shard.runner import Runner, StepError
+from shard.swap import SwapPool
 
 log = logging.getLogger("shard")
 
@@ -23,6 +25,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.runner = runner
         self.world = world
         self.dtype = dtype
+        self.swap: SwapPool | None = None
 
     def Info(self, request, context):
         m = self.loaded
@@ -57,6 +60,8 @@ class ShardService(pb_grpc.ShardServicer):
         if not num_blocks:
             local_world = self.world if r.device.type == "cpu" else 1
             budget = free_memory(r.device, local_world) * (request.max_memory_fraction or 0.9)
+            if r.device.type == "cpu":  # the swap pool comes out of the same RAM
+                budget -= request.cpu_swap_bytes
             fit = int((budget - most_window * per_window_block) // per_block)
             if fit < most_window:  # too little memory for both: pools of equal size
                 fit = int(budget // (per_block + per_window_block))
@@ -71,7 +76,13 @@ class ShardService(pb_grpc.ShardServicer):
         if num_window_blocks:
             log.info("sliding-window layers' KV cache: %d blocks (%.1f MiB)", num_window_blocks,
                      num_window_blocks * per_window_block / 2**20)
-        return pb.WarmupResponse(num_blocks=num_blocks, num_window_blocks=num_window_blocks)
+        # At most the device pool's size: room for any request, and host memory is not the KV cache's twin.
+        swap_slots = min(request.cpu_swap_bytes // per_block, num_blocks)
+        self.swap = SwapPool(r.cache.full, swap_slots) if swap_slots else None
+        if self.swap:
+            log.info("swap pool: %d blocks (%.1f MiB of host memory)", swap_slots, swap_slots * per_block / 2**20)
+        return pb.WarmupResponse(num_blocks=num_blocks, num_window_blocks=num_window_blocks,
+                                 num_swap_blocks=swap_slots)
 
     def _step(self, request, context):
         try:
@@ -93,7 +104,21 @@ class ShardService(pb_grpc.ShardServicer):
         return pb.ClearCacheResponse()
 
     def Offload(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "offload is not enabled on this shard")
+        """Device -> host first (a freed block may be a restore's target), then host -> device, then the
+        block tables of the requests involved."""
+        if self.swap is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no swap pool")
+        pool = self.runner.cache.full
+        start = time.perf_counter()
+        self.swap.offload(pool, [c.src for c in request.to_cpu], [c.dst for c in request.to_cpu])
+        self.swap.restore(pool, [c.src for c in request.to_device], [c.dst for c in request.to_device])
+        if pool.is_cuda:
+            torch.cuda.synchronize(pool.device)
+        for table in request.tables:
+            self.runner.rebind(table.id, list(table.blocks))
+        log.debug("offload: %d blocks out, %d in, %.1f ms", len(request.to_cpu), len(request.to_device),
+                  (time.perf_counter() - start) * 1e3)
+        return pb.OffloadResponse()
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:
