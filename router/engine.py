@@ -74,6 +74,9 @@ class Engine:
         if s.swap is not None:
             metrics.swap_free.set(s.swap.num_free)
             metrics.swap_total.set(s.swap.num_blocks)
+        if s.window is not None:
+            metrics.window_blocks_free.set(s.window.blocks.num_free)
+            metrics.window_blocks_total.set(s.window.blocks.num_blocks)
 
     async def _loop(self) -> None:
         while True:

@@ -31,6 +31,9 @@ restored_blocks = Counter("cb_restored_blocks", "KV blocks copied back from the 
 offloaded_requests = Gauge("cb_offloaded_requests", "Requests waiting in the host swap pool", registry=registry)
 swap_free = Gauge("cb_swap_blocks_free", "Free slots of the host swap pool", registry=registry)
 swap_total = Gauge("cb_swap_blocks_total", "Slots of the host swap pool", registry=registry)
+window_blocks_free = Gauge("cb_window_blocks_free", "Free blocks of the sliding-window layers' pool",
+                           registry=registry)
+window_blocks_total = Gauge("cb_window_blocks_total", "Blocks of the sliding-window layers' pool", registry=registry)
 prefill_chunks = Counter("cb_prefill_chunks", "Prompt chunks that stopped short of the prompt's end",
                          registry=registry)
 blocks_free = Gauge("cb_kv_blocks_free", "Free KV blocks", registry=registry)

@@ -77,7 +77,8 @@ class ShardService(pb_grpc.ShardServicer):
             log.info("sliding-window layers' KV cache: %d blocks (%.1f MiB)", num_window_blocks,
                      num_window_blocks * per_window_block / 2**20)
         # At most the device pool's size: room for any request, and host memory is not the KV cache's twin.
-        swap_slots = min(request.cpu_swap_bytes // per_block, num_blocks)
+        # Hybrid models get none: their eviction is a soft reset (the router offloads full-pool blocks only).
+        swap_slots = 0 if num_window_blocks else min(request.cpu_swap_bytes // per_block, num_blocks)
         self.swap = SwapPool(r.cache.full, swap_slots) if swap_slots else None
         if self.swap:
             log.info("swap pool: %d blocks (%.1f MiB of host memory)", swap_slots, swap_slots * per_block / 2**20)
@@ -114,8 +115,11 @@ class ShardService(pb_grpc.ShardServicer):
         self.swap.restore(pool, [c.src for c in request.to_device], [c.dst for c in request.to_device])
         if pool.is_cuda:
             torch.cuda.synchronize(pool.device)
-        for table in request.tables:
-            self.runner.rebind(table.id, list(table.blocks))
+        try:
+            for table in request.tables:
+                self.runner.rebind(table.id, list(table.blocks))
+        except StepError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         log.debug("offload: %d blocks out, %d in, %.1f ms", len(request.to_cpu), len(request.to_device),
                   (time.perf_counter() - start) * 1e3)
         return pb.OffloadResponse()
