@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install proto run test bench clean
+.PHONY: install proto run test bench bench-memory clean
 
 install: $(VENV)/.installed proto/generate_pb2.py
 
@@ -30,6 +30,13 @@ test: install
 # Starts its own server (bf16, port 8081), replays W64 exactly, stops it, then measures the forward ceiling.
 bench: install
 	$(BIN)/cb-bench --launch --port 8081 --launcher-args "--max-batch-total-tokens 32768" $(ARGS)
+
+# Memory paths: W64 concurrency on a 160-block pool (on-demand vs reserved), cached-prefix TTFT, offload vs
+# recompute (see launcher/memory_bench.py).
+bench-memory: install
+	$(BIN)/python -m launcher.memory_bench concurrency
+	$(BIN)/python -m launcher.memory_bench prefix
+	$(BIN)/python -m launcher.memory_bench offload
 
 clean:
 	rm -rf $(VENV) proto/*_pb2*.py
