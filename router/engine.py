@@ -11,7 +11,8 @@ from typing import Optional
 from proto import generate_pb2 as pb
 from router import metrics
 from router.job import Job
-from router.scheduler import Entry, Scheduler, Step
+from router.scheduler import Scheduler
+from router.step import Entry, Step
 from router.shards import ShardError, Shards
 from router.trace import Trace
 

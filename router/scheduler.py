@@ -2,16 +2,17 @@
 
 A step serves, in this order:
 1. Running requests. `fifo`: every decode gets one token (and a block when its last one is full), then prompts
-   that were chunked continue. `prefill_first`: chunked prompts continue first, then decodes; under memory
-   pressure the prompt keeps its blocks and a decode waits or evicts. Within each group: priority, then arrival.
+   that were chunked continue. `prefill_first`: chunked prompts continue first (they take the free blocks
+   before decodes do), then decodes. Within each group: priority, then arrival.
 2. Offloaded requests come back (restore), best rank first, when their blocks and one more step fit.
 3. Waiting requests are admitted by rank (priority, lower first, then arrival) while the prefill budget, the
    total-token budget, max_batch_size and every allocator (the pool and, on hybrid models, the window pool)
    allow; a prompt larger than what is left is chunked. Nothing is allocated unless the whole plan fits.
-   Admission stops at the first request ranked below an offloaded one (that one is restored first), pauses in
-   a step that evicted (the victim would come straight back), while free blocks are below --safety-margin of the pool (running requests keep the
-   rest; ignored when nothing runs), and, with requests running, until waiting_served_ratio waiting requests
-   per running one are queued or max_waiting_tokens steps have passed since the last admission (TGI's rule).
+   Admission stops at the first request ranked below an offloaded one (that one is restored first); it pauses
+   in a step that evicted (the victim would come straight back) and while free blocks are below the safety
+   margin of the pool (running requests keep the rest; ignored when nothing runs); with requests running it
+   waits until waiting_served_ratio waiting requests per running one are queued or max_waiting_tokens steps
+   have passed since the last admission (TGI's rule).
 
 Eviction: when a running decode cannot get its next block, the worst-ranked running request not yet scheduled
 this step (lowest priority, newest) is evicted, repeatedly, until it fits; the decode itself and requests
@@ -23,11 +24,12 @@ If nothing at all could be scheduled, the worst-ranked running request is evicte
 Pure Python: no torch, no grpc.
 """
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from router.block_table import BlockTable, chain_hash
 from router.request import Request, State
+from router.step import Entry, Step
 from router.window import WindowTable
 
 POLICIES = ("fifo", "prefill_first")
@@ -41,43 +43,6 @@ class Budget:
     max_batch_size: int
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
-
-
-@dataclass
-class Entry:
-    """One request's share of a step: tokens[start:start + num_tokens], blocks appended first."""
-    request: Request
-    start: int
-    num_tokens: int
-    new_blocks: list[int]
-    sample: bool
-    first: bool
-    decode: bool
-    new_window_blocks: list[int] = field(default_factory=list)
-    window_dropped: int = 0
-
-
-@dataclass
-class Step:
-    entries: list[Entry] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)   # soft reset
-    offloaded: list[Request] = field(default_factory=list)
-    restored: list[Request] = field(default_factory=list)
-    to_cpu: list[tuple[int, int]] = field(default_factory=list)     # (device block, swap slot)
-    to_device: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, device block)
-    tables: dict[int, list[int]] = field(default_factory=dict)      # block tables the shards rebind
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries if not e.decode)
-
-    @property
-    def has_prefill(self) -> bool:
-        return any(not e.decode for e in self.entries)
-
-    @property
-    def evicted(self) -> bool:
-        return bool(self.preempted or self.offloaded)
 
 
 def _rank(r: Request) -> tuple:

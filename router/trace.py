@@ -5,7 +5,7 @@ import time
 from typing import Optional, TextIO
 
 from router.request import Request
-from router.scheduler import Step
+from router.step import Step
 
 
 class Trace:

@@ -10,7 +10,8 @@ import pytest
 
 from router.block_table import BlockTable
 from router.request import Request, State
-from router.scheduler import Budget, Scheduler, Step
+from router.scheduler import Budget, Scheduler
+from router.step import Step
 
 _arrival = itertools.count()
 

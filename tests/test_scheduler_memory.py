@@ -7,6 +7,7 @@ import pytest
 from router.block_table import BlockTable
 from router.request import State
 from router.scheduler import Budget, Scheduler
+from router.step import Step
 from router.window import WindowTable
 from test_scheduler import advance, by_id, check, req
 
@@ -212,7 +213,6 @@ def test_nothing_ranked_below_an_offloaded_request_is_admitted():
 
 
 def test_a_request_outranking_the_offloaded_ones_is_admitted():
-    from router.scheduler import Step
     s = make(blocks=4, block_size=4, swap=8)
     big, holder = req(17, 4), req(9, 20)  # each decoding: all but its last token computed
     for r in (big, holder):
