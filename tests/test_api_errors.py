@@ -27,6 +27,7 @@ BAD = {
     "too many stop sequences": {"inputs": "hello", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
     "top_n_tokens beyond limit": {"inputs": "hello", "parameters": {"top_n_tokens": 50}},
     "wrong type": {"inputs": "hello", "parameters": {"max_new_tokens": "many"}},
+    "priority beyond 32 bits": {"inputs": "hello", "parameters": {"priority": 2**40}},
 }
 
 
