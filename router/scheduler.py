@@ -15,8 +15,9 @@ A step serves, in this order:
    have passed since the last admission (TGI's rule).
 
 Eviction: when a running decode cannot get its next block, the worst-ranked running request not yet scheduled
-this step (lowest priority, newest) is evicted, repeatedly, until it fits; the decode itself and requests
-already scheduled keep their cache, so the last running request is never evicted. An evicted request is
+this step (lowest priority, newest) is evicted, repeatedly, until it fits; only requests ranked below the decode
+are candidates (otherwise it waits), and requests already scheduled keep their cache, so the last running
+request is never evicted. An evicted request is
 offloaded when the swap pool has room (its blocks are copied to host memory and restored later without
 recomputation) and soft-reset otherwise (blocks freed, its generated tokens join its prompt, it waits by rank).
 If nothing at all could be scheduled, the worst-ranked running request is evicted and the step planned again.
@@ -143,7 +144,7 @@ class Scheduler:
             self.running.append(req)
             step.restored.append(req)
             held += req.computed + n
-            if n > 1:
+            if req.remaining > 1:  # a prompt chunk, however short
                 prefill_left -= n
             self._schedule(step, req, n, scheduled)
         return prefill_left, held
@@ -181,6 +182,9 @@ class Scheduler:
         if self.running and self.steps_since_admission < self.budget.max_waiting_tokens:
             if len(self.waiting) < int(len(self.running) * self.budget.waiting_served_ratio):
                 return 0
+        for req, n, hits, names in plan:  # every hit is taken before any allocation could evict it
+            self.blocks.share(hits)
+            req.blocks, req.hashes, req.computed = list(hits), list(names), len(hits) * bs
         for req, n, hits, names in plan:
             self.waiting.remove(req)
             req.state = State.RUNNING
@@ -188,8 +192,6 @@ class Scheduler:
             if req.reuse_prefix:
                 self.prefix_lookups += 1
                 self.prefix_hit_blocks += len(hits)
-            self.blocks.share(hits)
-            req.blocks, req.hashes, req.computed = list(hits), list(names), len(hits) * bs
             self._schedule(step, req, n, scheduled)
         return len(plan)
 
@@ -231,10 +233,10 @@ class Scheduler:
         return held + 1 > self.budget.max_batch_total_tokens
 
     def _make_room(self, req: Request, held: int, scheduled: set[int], step: Step) -> Optional[int]:
-        """Evicts the worst-ranked unscheduled running requests until `req` can grow by one token; returns
-        the tokens then held, or None if it cannot."""
+        """Evicts the worst-ranked unscheduled running requests ranked below `req` until it can grow by one
+        token; returns the tokens then held, or None if it cannot (it waits, and is the next victim itself)."""
         while self._short(req, held):
-            victims = [r for r in self.running if r.id not in scheduled and r is not req]
+            victims = [r for r in self.running if r.id not in scheduled and r.rank > req.rank]
             if not victims:
                 return None
             victim = max(victims, key=_rank)

@@ -60,8 +60,8 @@ class ShardService(pb_grpc.ShardServicer):
         if not num_blocks:
             local_world = self.world if r.device.type == "cpu" else 1
             budget = free_memory(r.device, local_world) * (request.max_memory_fraction or 0.9)
-            if r.device.type == "cpu":  # the swap pool comes out of the same RAM
-                budget -= request.cpu_swap_bytes
+            if r.device.type == "cpu" and not window_layers:  # the swap pool (at most the pool's size) shares it
+                budget -= min(request.cpu_swap_bytes, budget / 2)
             fit = int((budget - most_window * per_window_block) // per_block)
             if fit < most_window:  # too little memory for both: pools of equal size
                 fit = int(budget // (per_block + per_window_block))

@@ -72,23 +72,24 @@ def test_tiny_pool_every_memory_path_with_exact_tokens(tiny, reference):
 
 
 def test_priority_request_overtakes_the_queue(tiny, reference):
-    """With the batch full, a priority -1 request sent last is served before earlier priority 0 ones."""
-    tok = reference.tokenizer
-    ids = tok(STORIES[0])["input_ids"]
-    done: list[int] = []
+    """Eight long requests fill the batch; three priority-0 requests queue behind them, then one priority -1
+    request arrives: it is admitted first and finishes before all three (same length, never evicted)."""
+    ids = reference.tokenizer(STORIES[0])["input_ids"]
+    done: list[str] = []
     lock = threading.Lock()
 
-    def send(i, priority):
-        tiny.generate(ids, max_new_tokens=60, priority=priority)
+    def send(name, delay, max_new_tokens, priority=0):
+        time.sleep(delay)
+        tiny.generate(ids, max_new_tokens=max_new_tokens, priority=priority)
         with lock:
-            done.append(i)
+            done.append(name)
 
     with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(send, i, 0) for i in range(11)]
-        time.sleep(1.0)                # the first ones hold the pool; the rest wait
-        urgent = pool.submit(send, 11, -1)
-        urgent.result()
+        futures = [pool.submit(send, f"filler{i}", 0.0, 40 + 10 * i) for i in range(8)]
+        futures += [pool.submit(send, f"normal{i}", 0.5, 20) for i in range(3)]
+        futures.append(pool.submit(send, "urgent", 1.0, 20, -1))
         for f in futures:
             f.result()
-    assert done.index(11) < len(done) - 3, f"completion order {done}"
+    normals = [done.index(f"normal{i}") for i in range(3)]
+    assert done.index("urgent") < min(normals), f"completion order {done}"
     assert_idle(tiny.url)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from router.block_table import BlockTable
-from router.request import State
+from router.request import Request, State
 from router.scheduler import Budget, Scheduler
 from router.step import Step
 from router.window import WindowTable
@@ -303,3 +303,45 @@ def test_random_pressure_with_swap_and_priorities_finishes_everything(policy, se
             raise AssertionError("a step with running requests scheduled nothing")
     assert all(len(r.generated) == r.max_new_tokens for r in reqs)
     assert_empty(s)
+
+
+# Regressions found in review ----------------------------------------------------------------------------------
+
+def test_a_cached_block_shared_by_one_admission_is_not_allocated_to_another_in_the_same_step():
+    s = Scheduler(Budget(64, 10_000, 16, 0.0, 0), BlockTable(3, 4, prefix_caching=True))
+    a = req(9, 1)                      # fills blocks 0, 1 (named) and 2, then finishes: all free, 0 oldest
+    s.add(a)
+    step_once(s)
+    assert a.state is State.FINISHED and s.blocks.num_free == 3
+    b = Request(prompt_ids=[500, 501, 502, 503], max_new_tokens=1)   # no hit: needs a fresh block
+    c = Request(prompt_ids=[0, 1, 2, 3, 7], max_new_tokens=1)        # hits block 0
+    s.add(b)
+    s.add(c)
+    step = s.schedule()
+    assert {e.request for e in step.entries} == {b, c}
+    assert c.computed >= 4 and set(b.blocks).isdisjoint(c.blocks), "b was given the block c reads as its prefix"
+
+
+def test_a_restored_prompt_chunk_counts_against_the_prefill_budget():
+    s = make(blocks=64, block_size=4, prefill=9, swap=64)
+    a, b, c = req(16, 1), req(40, 1), req(40, 1)
+    for r in (a, b, c):                # all mid-prompt, 8 tokens in
+        r.state, r.computed, r.on_shards, r.blocks = State.RUNNING, 8, True, s.blocks.allocate(2)
+        s.running.append(r)
+    s.offload(b, Step())
+    s.offload(c, Step())
+    step = s.schedule()
+    assert step.prefill_tokens <= 9 and [(e.request, e.num_tokens) for e in step.entries] == [(a, 8), (b, 1)]
+
+
+def test_a_decode_never_evicts_a_better_ranked_request():
+    """fifo plans decodes before chunks: a low-priority decode must not evict a high-priority prompt that is
+    simply not scheduled yet; it waits, and being the worst rank it is the one evicted when nothing fits."""
+    s = make(blocks=4, block_size=4, prefill=64)
+    low, high = req(5, 20), req(24, 2)
+    low.priority, high.priority = 5, 0
+    for r, computed, blocks in ((low, 4, 1), (high, 12, 3)):
+        r.state, r.computed, r.on_shards, r.blocks = State.RUNNING, computed, True, s.blocks.allocate(blocks)
+        s.running.append(r)
+    step = s.schedule()
+    assert step.preempted == [low] and [e.request for e in step.entries] == [high]
