@@ -145,7 +145,8 @@ def _gemma_tokenizer(gguf: Path):
         return [field.parts[i] for i in field.data]
 
     pieces = [bytes(p).decode() for p in values("tokenizer.ggml.tokens")]
-    pieces = [p.replace(" ", "▁") if not p.strip(" ") else p for p in pieces]  # space runs, as SentencePiece spells them
+    # Runs of spaces, spelled as SentencePiece spells them.
+    pieces = [p.replace(" ", "▁") if not p.strip(" ") else p for p in pieces]
     types = [int(t[0]) for t in values("tokenizer.ggml.token_type")]
     # SentencePiece scores control and user-defined pieces 0 (the GGUF says -1000); that orders their merges first.
     scores = [0.0 if t in (3, 4) else float(s[0]) for t, s in zip(types, values("tokenizer.ggml.scores"))]
