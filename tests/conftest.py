@@ -154,8 +154,11 @@ def metric(url: str, name: str) -> float:
 
 
 def assert_idle(url: str, timeout: float = 30) -> None:
-    """Every KV block is back in the pool once nothing is running (blocks are freed a step later)."""
+    """Every KV block is back in the pool, every swap slot free and nothing offloaded once nothing is running
+    (blocks are freed a step later)."""
     deadline = time.monotonic() + timeout
-    while metric(url, "cb_kv_blocks_free") != metric(url, "cb_kv_blocks_total"):
-        assert time.monotonic() < deadline, "KV blocks leaked"
+    pairs = [("cb_kv_blocks_free", "cb_kv_blocks_total"), ("cb_swap_blocks_free", "cb_swap_blocks_total")]
+    while (any(metric(url, free) != metric(url, total) for free, total in pairs)
+           or metric(url, "cb_offloaded_requests") != 0):
+        assert time.monotonic() < deadline, "KV blocks or swap slots leaked"
         time.sleep(0.2)
