@@ -15,11 +15,11 @@ A step serves, in this order:
    have passed since the last admission (TGI's rule).
 
 Eviction: when a running decode cannot get its next block, the worst-ranked running request not yet scheduled
-this step (lowest priority, newest) is evicted, repeatedly, until it fits; only requests ranked below the decode
-are candidates (otherwise it waits), and requests already scheduled keep their cache, so the last running
-request is never evicted. An evicted request is
-offloaded when the swap pool has room (its blocks are copied to host memory and restored later without
-recomputation) and soft-reset otherwise (blocks freed, its generated tokens join its prompt, it waits by rank).
+this step (lowest priority, newest) is evicted, repeatedly, until it fits; only requests ranked below the
+decode are candidates (otherwise it waits), and requests already scheduled keep their cache, so the last running
+request is never evicted. An evicted request is offloaded when the swap pool has room (its blocks are copied
+to host memory and restored later without recomputation) and soft-reset otherwise (blocks freed, its generated
+tokens join its prompt, it waits by rank).
 If nothing at all could be scheduled, the worst-ranked running request is evicted and the step planned again.
 
 Pure Python: no torch, no grpc.
@@ -105,10 +105,9 @@ class Scheduler:
                     self._schedule(step, req, n, scheduled)
                     prefill_left -= n
                     held += n
-        if not step.evicted:
-            prefill_left, held = self._restore(step, scheduled, prefill_left, held)
         admitted = 0
         if not step.evicted:
+            prefill_left, held = self._restore(step, scheduled, prefill_left, held)
             admitted = self._admit(step, scheduled, prefill_left, held)
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
 
@@ -228,7 +227,7 @@ class Scheduler:
         """Whether `req` cannot grow by one token right now."""
         if self.blocks.extra_blocks(len(req.blocks), req.computed + 1) > self.blocks.num_free:
             return True
-        if self.window is not None and not self.window.fits(req, req.computed, 1, self.window.blocks.num_free):
+        if self.window is not None and self.window.extra(req, req.computed, 1) > self.window.blocks.num_free:
             return True
         return held + 1 > self.budget.max_batch_total_tokens
 

@@ -29,9 +29,6 @@ class WindowTable:
         drop, add = self.plan(req, start, n)
         return add - drop
 
-    def fits(self, req: Request, start: int, n: int, free: int) -> bool:
-        return self.extra(req, start, n) <= free
-
     def advance(self, req: Request, start: int, n: int) -> tuple[int, list[int]]:
         """Drops the dead blocks, appends what the step writes; returns (dropped count, new blocks)."""
         drop, add = self.plan(req, start, n)

@@ -56,17 +56,10 @@ def _contended(policy: str):
     return s, a, b
 
 
-def test_fifo_gives_the_last_block_to_the_decode():
-    s, a, b = _contended("fifo")
-    assert [e.request for e in step_once(s).entries] == [a]
-    drain(s)
-    assert len(a.generated) == 6 and len(b.generated) == 2
-    assert_empty(s)
-
-
-def test_prefill_first_gives_the_last_block_to_the_chunked_prompt():
-    s, a, b = _contended("prefill_first")
-    assert [e.request for e in step_once(s).entries] == [b]
+@pytest.mark.parametrize("policy, gets_the_block", [("fifo", "decode"), ("prefill_first", "chunk")])
+def test_policy_decides_who_gets_the_last_block(policy, gets_the_block):
+    s, a, b = _contended(policy)
+    assert [e.request for e in step_once(s).entries] == [a if gets_the_block == "decode" else b]
     drain(s)
     assert len(a.generated) == 6 and len(b.generated) == 2
     assert_empty(s)
