@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install proto run test bench bench-memory clean
+.PHONY: install proto run test test-unit bench bench-memory clean
 
 install: $(VENV)/.installed proto/generate_pb2.py
 
@@ -27,16 +27,20 @@ run: install
 test: install
 	$(BIN)/pytest -q $(ARGS)
 
+# The pure tests (scheduler, KV manager, simulator, workloads, settings): seconds, no model, no server.
+test-unit: install
+	$(BIN)/pytest -q tests/unit $(ARGS)
+
 # Starts its own server (bf16, port 8081), replays W64 exactly, stops it, then measures the forward ceiling.
 bench: install
 	$(BIN)/cb-bench --launch --port 8081 --launcher-args "--max-batch-total-tokens 32768" $(ARGS)
 
 # Memory paths: W64 concurrency on a 160-block pool (on-demand vs reserved), cached-prefix TTFT, offload vs
-# recompute (see launcher/memory_bench.py).
+# recompute (see bench/memory.py).
 bench-memory: install
-	$(BIN)/python -m launcher.memory_bench concurrency
-	$(BIN)/python -m launcher.memory_bench prefix
-	$(BIN)/python -m launcher.memory_bench offload
+	$(BIN)/python -m bench.memory concurrency
+	$(BIN)/python -m bench.memory prefix
+	$(BIN)/python -m bench.memory offload
 
 clean:
 	rm -rf $(VENV) proto/*_pb2*.py

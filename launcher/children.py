@@ -29,6 +29,8 @@ def _die_with_parent(parent_pid: int):
 
 
 def describe_exit(code: int) -> str:
+    if code == 0:
+        return "exited cleanly (code 0)"
     if code < 0:
         return f"exited with code {code} (killed by {signal.Signals(-code).name})"
     return f"exited with code {code}"

@@ -28,18 +28,19 @@ class Supervisor:
     """Owns the children. Every wait of the launcher goes through wait_until, so a child dying or a
     stop signal is noticed whatever the launcher is waiting for (a shard loading, or nothing)."""
 
-    def __init__(self):
+    def __init__(self, router_env: dict[str, str]):
         self.children: list[Child] = []
         self.stop_signal: Optional[str] = None
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.router_env = {**self.env, **router_env}
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
-    def spawn(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, self.env)
+    def spawn(self, name: str, argv: list[str], env: Optional[dict[str, str]] = None) -> Child:
+        child = Child(name, argv, env or self.env)
         self.children.append(child)
         return child
 
@@ -80,7 +81,7 @@ class Supervisor:
         try:
             shards = [self.spawn(f"shard {rank}", argv) for rank, argv in enumerate(shard_argvs)]
             self.wait_for_shards(sockets)
-            router = self.spawn("router", router_argv)
+            router = self.spawn("router", router_argv, self.router_env)
             self.wait_until(lambda: router_healthy(url), lambda: "the router to warm up the shards")
             log("launcher", f"ready: {url}")
             self.wait_until(lambda: False)

@@ -1,18 +1,17 @@
 """The batching loop: one step at a time, in the same asyncio loop as the HTTP server.
 
-Each step: retire finished or cancelled requests (FilterBatch), let the scheduler decide what runs, make the
-shards forget soft-reset requests (FilterBatch) and move offloaded or restored blocks (Offload), send the step to
-every shard (Prefill when prompt tokens are in it, else Decode), and hand each sampled token to its job.
+Each step: retire cancelled requests, let the scheduler decide what runs, make the shards forget soft-reset and
+retired requests and move offloaded or restored blocks, run the step on every shard, then hand its outcome to
+the scheduler (`update`: the one place where tokens join requests and requests finish) and each token to its job.
 """
 import asyncio
 import logging
 from typing import Optional
 
-from proto import generate_pb2 as pb
 from router import metrics
+from router.core.scheduler import Scheduler
+from router.core.step import Outcome, Step
 from router.job import Job
-from router.scheduler import Scheduler
-from router.step import Entry, Step
 from router.shards import ShardError, Shards
 from router.trace import Trace
 
@@ -44,8 +43,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        s = self.scheduler
-        return bool(s.running or s.waiting or s.offloaded)
+        return self.scheduler.busy
 
     async def run(self) -> None:
         """Runs steps forever; a bug in one step fails the requests it touched, never the loop."""
@@ -58,62 +56,75 @@ class Engine:
                 log.exception("batching loop error")
                 await self._fail_all(f"internal error: {e!r}")
 
-    def observe(self) -> None:
-        s = self.scheduler
-        new_lookups = s.prefix_lookups - self._seen_lookups
-        new_hits = s.prefix_hit_blocks - self._seen_hits
-        if new_lookups:
-            metrics.prefix_lookups.inc(new_lookups)
-            metrics.prefix_hit_blocks.inc(new_hits)
-            metrics.prefix_hit_tokens.inc(new_hits * s.blocks.block_size)
-        self._seen_lookups, self._seen_hits = s.prefix_lookups, s.prefix_hit_blocks
-        metrics.batch_size.set(len(s.running))
-        metrics.queue_size.set(len(s.waiting))
-        metrics.blocks_free.set(s.blocks.num_free)
-        metrics.blocks_total.set(s.blocks.num_blocks)
-        metrics.offloaded_requests.set(len(s.offloaded))
-        if s.swap is not None:
-            metrics.swap_free.set(s.swap.num_free)
-            metrics.swap_total.set(s.swap.num_blocks)
-        if s.window is not None:
-            metrics.window_blocks_free.set(s.window.blocks.num_free)
-            metrics.window_blocks_total.set(s.window.blocks.num_blocks)
-
     async def _loop(self) -> None:
         while True:
-            await self._retire()
+            for job in [j for j in self.jobs.values() if j.cancelled]:
+                self.scheduler.finish(job.request)
+                self._retire(job)
+            if not await self._filter():
+                continue
             self.observe()
             if not self.busy:
-                self.wake.clear()
-                await self.wake.wait()
+                await self._sleep()
                 continue
             step = self.scheduler.schedule()
             self.trace.step(step)
             try:
                 await self._move(step)
-            except ShardError as e:
-                await self._fail_all(str(e))
-                continue
-            if not step.entries:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            try:
-                resp = await self.shards.step(step.has_prefill, [self._entry(e) for e in step.entries])
+                if not step.entries:
+                    await self._sleep()
+                    continue
+                resp = await self.shards.step(step, self.jobs)
             except ShardError as e:
                 await self._fail_all(str(e))
                 continue
             self.last_step_failed = False
-            metrics.computed_tokens.inc(resp.tokens)
-            metrics.prefill_chunks.inc(sum(1 for e in step.entries if not e.decode and not e.sample))
-            metrics.forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
-            for p in resp.prefill:
-                if p.id in self.jobs:
-                    self.jobs[p.id].on_prefill(p.logprobs)
-            for g in resp.generations:
-                job = self.jobs.get(g.id)
-                if job is not None and job.finish_reason is None:
-                    job.on_token(g)
+            metrics.observe_step(step, resp)
+            self._apply(step, resp)
+
+    async def _sleep(self) -> None:
+        self.wake.clear()
+        await self.wake.wait()
+
+    def _apply(self, step: Step, resp) -> None:
+        """The step's outcome: prompt logprobs, then the tokens, through the scheduler, to the jobs."""
+        for p in resp.prefill:
+            if p.id in self.jobs:
+                self.jobs[p.id].on_prefill(p.logprobs)
+        outcome, pieces = Outcome(), {}
+        for g in resp.generations:
+            job = self.jobs.get(g.id)
+            if job is not None and job.finish_reason is None:
+                outcome.tokens[g.id] = g.token_id
+                pieces[g.id] = job.detokenizer.add(g.token_id)
+                if job.detokenizer.stopped(pieces[g.id]):
+                    outcome.stopped.add(g.id)
+        finished = self.scheduler.update(step, outcome)
+        for g in resp.generations:
+            if g.id in pieces:
+                self.jobs[g.id].on_token(g, pieces[g.id])
+        for req in finished:
+            self._retire(self.jobs[req.id])
+
+    def _retire(self, job: Job) -> None:
+        """Books a request that left the scheduler; the shards forget it before the next step."""
+        self.trace.finish(job.request)
+        self.to_filter.append(job.id)
+        del self.jobs[job.id]
+        if job.finish_reason is None:
+            log.info("request %d cancelled by its client", job.id)
+        metrics.observe_retired(job)
+
+    async def _filter(self) -> bool:
+        if not self.to_filter:
+            return True
+        ids, self.to_filter = self.to_filter, []
+        try:
+            await self.shards.filter(ids)
+            return True
+        except ShardError as e:
+            await self._fail_all(str(e))
+            return False
 
     async def _move(self, step: Step) -> None:
         """Before the step runs: soft-reset requests leave the shards (they come back as new ones), offloaded
@@ -121,73 +132,43 @@ class Engine:
         if step.preempted:
             log.info("soft reset of %d request(s) to free KV blocks: %s (they resume from their history)",
                      len(step.preempted), [r.id for r in step.preempted])
-            metrics.preemptions.inc(len(step.preempted))
             for r in step.preempted:
                 self.jobs[r.id].prefill_logprobs.clear()  # recomputed from the first token
             await self.shards.filter([r.id for r in step.preempted])
         if step.offloaded:
             log.info("offloaded %d request(s) to host memory: %s (%d blocks)", len(step.offloaded),
                      [r.id for r in step.offloaded], len(step.to_cpu))
-            metrics.offloads.inc(len(step.offloaded))
-            metrics.offloaded_blocks.inc(len(step.to_cpu))
         if step.restored:
             log.info("restored %d request(s) from host memory: %s (%d blocks)", len(step.restored),
                      [r.id for r in step.restored], len(step.to_device))
-            metrics.restores.inc(len(step.restored))
-            metrics.restored_blocks.inc(len(step.to_device))
+        metrics.observe_moves(step)
         if step.to_cpu or step.to_device:
-            await self.shards.offload(pb.OffloadRequest(
-                to_cpu=[pb.BlockCopy(src=b, dst=s) for b, s in step.to_cpu],
-                to_device=[pb.BlockCopy(src=s, dst=b) for s, b in step.to_device],
-                tables=[pb.RequestBlocks(id=i, blocks=blocks) for i, blocks in step.tables.items()]))
+            await self.shards.offload(step)
 
-    def _entry(self, e: Entry) -> pb.StepEntry:
-        job = self.jobs[e.request.id]
-        return pb.StepEntry(
-            id=e.request.id, input_ids=e.request.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
-            sample=e.sample, cached_tokens=e.start, parameters=job.parameters if e.first else None,
-            prompt_tokens=len(e.request.prompt_ids) if e.first else 0,
-            new_window_blocks=e.new_window_blocks, window_dropped=e.window_dropped,
-        )
-
-    async def _retire(self) -> None:
-        for job in list(self.jobs.values()):
-            if job.finish_reason is not None or job.cancelled:
-                self.scheduler.finish(job.request)
-                self.trace.finish(job.request)
-                self.to_filter.append(job.id)
-                del self.jobs[job.id]
-                if job.cancelled and job.finish_reason is None:
-                    log.info("request %d cancelled by its client", job.id)
-                    metrics.outcomes.labels("cancelled").inc()
-                else:
-                    metrics.outcomes.labels("success").inc()
-                    metrics.generated_tokens.observe(len(job.tokens))
-                    metrics.request_duration.observe(job.finished_at - job.queued_at)
-                    metrics.queue_duration.observe(job.first_token_at - job.queued_at)
-                    metrics.inference_duration.observe(job.finished_at - job.first_token_at)
-                    metrics.time_per_token.observe((job.finished_at - job.queued_at) / max(1, len(job.tokens)))
-        if self.to_filter:
-            ids, self.to_filter = self.to_filter, []
-            try:
-                await self.shards.filter(ids)
-            except ShardError as e:
-                await self._fail_all(str(e))
+    def observe(self) -> None:
+        kv = self.scheduler.kv
+        new_lookups = kv.prefix_lookups - self._seen_lookups
+        if new_lookups:
+            metrics.observe_prefix_hits(new_lookups, kv.prefix_hit_blocks - self._seen_hits, kv.block_size)
+        self._seen_lookups, self._seen_hits = kv.prefix_lookups, kv.prefix_hit_blocks
+        metrics.observe_scheduler(self.scheduler)
 
     async def _fail_all(self, message: str) -> None:
         """A failed step poisons every running batch: fail the affected jobs (offloaded ones too: the shards
         forget their state) and clear every shard."""
         log.error("step failed: %s", message)
         self.last_step_failed = True
+        s = self.scheduler
         for job in list(self.jobs.values()):
-            if job.request in self.scheduler.running or job.request in self.scheduler.offloaded:
+            if job.request in s.running or job.request in s.offloaded:
                 job.fail(message)
-                metrics.outcomes.labels("error").inc()
-                self.scheduler.finish(job.request)
+                s.finish(job.request, "error")
                 del self.jobs[job.id]
+                metrics.outcomes.labels("error").inc()
         self.to_filter = []
-        self.scheduler.blocks.forget()
+        s.kv.forget()
         try:
             await self.shards.clear()
         except ShardError as e:
             log.error("clearing the shards failed too: %s", e)
+

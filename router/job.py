@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from proto import generate_pb2 as pb
+from router.core.request import Request
 from router.detokenizer import Detokenizer
-from router.request import Request
 
 
 @dataclass
@@ -24,7 +24,6 @@ class Job:
     request: Request
     parameters: pb.SamplingParameters
     detokenizer: Detokenizer
-    eos_ids: frozenset
     special_ids: frozenset
     seed: Optional[int] = None
     tokens: list[Token] = field(default_factory=list)
@@ -46,25 +45,17 @@ class Job:
         room = len(self.request.prompt_ids) - len(self.prefill_logprobs)
         self.prefill_logprobs.extend(list(logprobs)[:max(0, room)])
 
-    def on_token(self, g: pb.Generation) -> None:
-        """Records a sampled token, decides whether the request is finished, and streams the token."""
-        req = self.request
-        token_id = g.token_id
-        req.generated.append(token_id)
+    def on_token(self, g: pb.Generation, piece: str) -> None:
+        """Streams a token the scheduler has already applied (`piece`: the text it completed); the request's
+        finish reason, if the token ended it, was decided there."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        piece = self.detokenizer.add(token_id)
         decode = self.detokenizer.tokenizer.decode
         top = [Token(t.token_id, decode([t.token_id]), t.logprob, t.token_id in self.special_ids)
                for t in g.top_tokens]
-        token = Token(token_id, piece, g.logprob, token_id in self.special_ids, top)
+        token = Token(g.token_id, piece, g.logprob, g.token_id in self.special_ids, top)
         self.tokens.append(token)
-        if token_id in self.eos_ids:
-            self.finish_reason = "eos_token"
-        elif self.detokenizer.stopped(piece):
-            self.finish_reason = "stop_sequence"
-        elif req.is_done_generating:
-            self.finish_reason = "length"
+        self.finish_reason = self.request.finish_reason
         token.final = self.finish_reason is not None
         self.events.put_nowait(("token", token))
         if self.finish_reason:

@@ -1,4 +1,5 @@
-"""Prometheus metrics under TGI's `tgi_*` names, plus the KV pool (`cb_*`), read by GET /metrics."""
+"""Prometheus metrics under TGI's `tgi_*` names, plus the KV pools (`cb_*`), read by GET /metrics, and the few
+functions the engine calls to record a step, its block moves, the pools and each retired request."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 registry = CollectorRegistry()
@@ -44,3 +45,52 @@ prefix_hit_blocks = Counter("cb_prefix_cache_hit_blocks", "KV blocks reused from
                             registry=registry)
 prefix_hit_tokens = Counter("cb_prefix_cache_hit_tokens", "Prompt tokens not recomputed thanks to the prefix cache",
                             registry=registry)
+
+
+def observe_step(step, resp) -> None:
+    computed_tokens.inc(resp.tokens)
+    prefill_chunks.inc(sum(1 for e in step.entries if not e.decode and not e.sample))
+    forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
+
+
+def observe_moves(step) -> None:
+    preemptions.inc(len(step.preempted))
+    offloads.inc(len(step.offloaded))
+    offloaded_blocks.inc(len(step.to_cpu))
+    restores.inc(len(step.restored))
+    restored_blocks.inc(len(step.to_device))
+
+
+def observe_prefix_hits(lookups: int, blocks: int, block_size: int) -> None:
+    prefix_lookups.inc(lookups)
+    prefix_hit_blocks.inc(blocks)
+    prefix_hit_tokens.inc(blocks * block_size)
+
+
+def observe_scheduler(s) -> None:
+    """The queue, the batch and every pool, before each step."""
+    batch_size.set(len(s.running))
+    queue_size.set(len(s.waiting))
+    offloaded_requests.set(len(s.offloaded))
+    kv = s.kv
+    blocks_free.set(kv.pool.num_free)
+    blocks_total.set(kv.pool.num_blocks)
+    if kv.swap is not None:
+        swap_free.set(kv.swap.num_free)
+        swap_total.set(kv.swap.num_blocks)
+    if kv.window is not None:
+        window_blocks_free.set(kv.window.blocks.num_free)
+        window_blocks_total.set(kv.window.blocks.num_blocks)
+
+
+def observe_retired(job) -> None:
+    """A request that left: cancelled by its client, or finished with its timings."""
+    if job.finish_reason is None:
+        outcomes.labels("cancelled").inc()
+        return
+    outcomes.labels("success").inc()
+    generated_tokens.observe(len(job.tokens))
+    request_duration.observe(job.finished_at - job.queued_at)
+    queue_duration.observe(job.first_token_at - job.queued_at)
+    inference_duration.observe(job.finished_at - job.first_token_at)
+    time_per_token.observe((job.finished_at - job.queued_at) / max(1, len(job.tokens)))

@@ -1,178 +1,156 @@
-"""The HTTP app: TGI's routes (/generate, /generate_stream, /health, /info, /metrics) and error shape."""
+"""Starts the router: the HTTP app at once, then (in its lifespan) the shards warmed up, the KV pools sized and
+the batching loop running; on SIGTERM/SIGINT it drains (503 for new work) and exits 0."""
 import asyncio
-import json
+import contextlib
+import logging
+import os
+import signal
 
-from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from router.settings import Settings
 
-from router import metrics
-from router.job import Job, Token
-from router.openai_api import install_openai_routes
-from router.openai_schemas import openai_error
-from router.service import APIError, Service
-from router.shards import ShardError
-from router.validation import GenerateRequest
+log = logging.getLogger("router")
 
 
-def error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": message, "error_type": kind}, status_code=status)
+def serve(settings: Settings, model_dir: str, sockets: list[str]) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from router.api.guards import Guards
+
+    svc = service(settings, model_dir)
+    app = http_app(settings, svc, sockets)
+    config = uvicorn.Config(Guards(app, settings.api_key, settings.payload_limit), host=settings.hostname,
+                            port=settings.port, log_level="warning",
+                            timeout_graceful_shutdown=settings.graceful_timeout)
+    Server(config, svc).run()
 
 
-def error_for(request: HttpRequest, status: int, message: str, kind: str) -> JSONResponse:
-    """OpenAI's error shape on its routes (/v1/...), TGI's everywhere else."""
-    if request.url.path.startswith("/v1/"):
-        return openai_error(status, message, kind)
-    return error(status, message, kind)
+def service(settings: Settings, model_dir: str):
+    """What the routes share: the tokenizer, the stop tokens, the limits; the engine joins at start-up."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from router.api.service import Service
+    from router.api.validation import Limits
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    gen = GenerationConfig.from_pretrained(model_dir)
+    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+    limits = Limits(settings.max_input_tokens, settings.max_total_tokens, len(tokenizer),
+                    settings.max_stop_sequences, settings.max_top_n_tokens)
+    return Service(tokenizer, limits, frozenset([eos] if isinstance(eos, int) else eos),
+                   settings.max_concurrent_requests, settings.model_name)
 
 
-def token_json(t: Token) -> dict:
-    return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+def http_app(settings: Settings, svc, sockets: list[str]):
+    from fastapi import FastAPI
 
+    from router.api.errors import install_error_handlers
+    from router.api.openai import install_openai_routes
+    from router.api.tgi import install_tgi_routes
+    from router.shards import Shards
 
-def details_json(job: Job) -> dict:
-    return {
-        "finish_reason": job.finish_reason,
-        "generated_tokens": len(job.tokens),
-        "seed": job.seed,
-        "input_length": len(job.request.prompt_ids),
-    }
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        shards = Shards(sockets)
+        svc.engine, svc.info = await start_engine(settings, shards)
+        loop_task = asyncio.create_task(svc.engine.run())
+        yield
+        loop_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop_task
+        await shards.close()
 
-
-def full_details_json(job: Job, svc: Service, body: GenerateRequest) -> dict:
-    out = {k: v for k, v in details_json(job).items() if k != "input_length"}
-    out["prefill"] = []
-    if body.parameters.decoder_input_details:
-        ids = job.request.prompt_ids
-        out["prefill"] = [{"id": i, "text": svc.tokenizer.decode([i]), "logprob": None if lp != lp else lp}
-                          for i, lp in zip(ids, job.prefill_logprobs)]
-    out["tokens"] = [token_json(t) for t in job.tokens]
-    if body.parameters.top_n_tokens:
-        out["top_tokens"] = [[token_json(x) for x in t.top_tokens] for t in job.tokens]
-    return out
-
-
-def sse(obj: dict) -> str:
-    return f"data:{json.dumps(obj)}\n\n"
-
-
-def timing_headers(job: Job, svc: Service, body: GenerateRequest) -> dict:
-    """TGI's x-* headers (durations in milliseconds)."""
-    end = job.finished_at or job.queued_at
-    first = job.first_token_at or end
-    ms = lambda s: str(int(s * 1000))  # noqa: E731
-    return {
-        "x-compute-type": svc.info.get("model_device_type", "cpu"),
-        "x-compute-time": f"{end - job.queued_at:.6f}",
-        "x-compute-characters": str(len(body.inputs) if isinstance(body.inputs, str) else 0),
-        "x-total-time": ms(end - job.arrived_at), "x-validation-time": ms(job.queued_at - job.arrived_at),
-        "x-queue-time": ms(first - job.queued_at), "x-inference-time": ms(end - first),
-        "x-time-per-token": ms((end - job.queued_at) / max(1, len(job.tokens))),
-        "x-prompt-tokens": str(len(job.request.prompt_ids)), "x-generated-tokens": str(len(job.tokens)),
-    }
-
-
-def install_routes(app: FastAPI, svc: Service) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request, exc: RequestValidationError):
-        metrics.outcomes.labels("validation").inc()
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error_for(request, 422, f"{where}: {first.get('msg', 'invalid request')}".lstrip(": "), "validation")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request, exc: StarletteHTTPException):
-        kind = {400: "validation", 422: "validation", 413: "payload_too_large"}.get(exc.status_code, "http")
-        return error_for(request, exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request, exc: APIError):
-        return error_for(request, exc.status, exc.message, exc.kind)
-
-    def final_text(job: Job, body: GenerateRequest) -> str:
-        text = svc.text(job)
-        if body.parameters.return_full_text and isinstance(body.inputs, str):
-            text = body.inputs + text
-        return text
-
-    async def generate_json(body: GenerateRequest, http: HttpRequest):
-        job = await svc.start(body)
-        async for kind, payload in svc.events(job, http):
-            if kind == "error":
-                raise APIError(424, payload, "generation")
-        if job.finish_reason is None:
-            raise APIError(499, "client closed the request", "cancelled")
-        out = {"generated_text": final_text(job, body)}
-        if body.parameters.details:
-            out["details"] = full_details_json(job, svc, body)
-        return out, timing_headers(job, svc, body)
-
-    async def stream_response(body: GenerateRequest) -> StreamingResponse:
-        job = await svc.start(body)
-
-        async def stream():
-            index = 0
-            async for kind, payload in svc.events(job):
-                if kind == "error":
-                    yield sse({"error": payload, "error_type": "generation"})
-                elif kind == "token":
-                    index += 1
-                    last = payload.final
-                    top = [token_json(t) for t in payload.top_tokens] if body.parameters.top_n_tokens else None
-                    yield sse({
-                        "index": index, "token": token_json(payload), "top_tokens": top,
-                        "generated_text": final_text(job, body) if last else None,
-                        "details": details_json(job) if last else None,
-                    })
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, http: HttpRequest):
-        out, headers = await generate_json(body, http)
-        return JSONResponse(out, headers=headers)
-
-    @app.post("/generate_stream")
-    async def generate_stream(body: GenerateRequest):
-        return await stream_response(body)
-
-    @app.post("/")
-    async def compat_generate(body: GenerateRequest, http: HttpRequest):
-        """TGI's compat route: `stream` picks SSE; otherwise a JSON list of one response."""
-        if body.stream:
-            return await stream_response(body)
-        out, headers = await generate_json(body, http)
-        return JSONResponse([out], headers=headers)
-
-    @app.post("/tokenize")
-    async def tokenize(body: GenerateRequest):
-        if not isinstance(body.inputs, str) or not body.inputs:
-            raise APIError(422, "`inputs` must be a non-empty string", "validation")
-        enc = svc.tokenizer(body.inputs, return_offsets_mapping=True)
-        return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
-                for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
-
-    @app.get("/health")
-    async def health():
-        if svc.draining:
-            return error(503, "the server is shutting down", "unhealthy")
-        if svc.engine.last_step_failed:
-            return error(503, "the last step failed on a shard", "unhealthy")
-        if not svc.engine.busy:  # while steps run they prove the shards alive; a Health call would queue behind
-            try:
-                await asyncio.wait_for(svc.engine.shards.health(), timeout=5)
-            except (ShardError, asyncio.TimeoutError) as e:
-                return error(503, f"a shard is unhealthy: {e}", "unhealthy")
-        return JSONResponse({})
-
-    @app.get("/info")
-    async def info():
-        return svc.info
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app = FastAPI(title="cb", lifespan=lifespan)
+    install_error_handlers(app)
+    install_tgi_routes(app, svc)
     install_openai_routes(app, svc)
+    return app
+
+
+async def start_engine(s: Settings, shards):
+    """Warms the shards up, sizes the pools (the smallest any shard can hold) and builds the scheduler."""
+    from router.api.info import Info
+    from router.core.allocator import ceil_div
+    from router.core.kv import KVManager
+    from router.core.scheduler import Budget, Scheduler
+    from router.engine import Engine
+    from router.trace import Trace
+
+    await shards.health()
+    info = await shards.info()
+    window = info.sliding_window if info.num_window_layers else 0
+    swap_bytes = int(s.cpu_offload_space * 2**30) if KVManager.can_offload_model(window) else 0
+    wanted = s.num_blocks or (ceil_div(s.max_batch_total_tokens, s.block_size) if s.max_batch_total_tokens else 0)
+    pools = await shards.warmup(max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_size=s.max_batch_size,
+                                num_blocks=wanted, max_memory_fraction=s.max_memory_percent,
+                                max_total_tokens=s.max_total_tokens, cpu_swap_bytes=swap_bytes)
+    total = check_capacity(s, pools.num_blocks)
+    kv = KVManager(pools.num_blocks, s.block_size, s.prefix_caching, pools.num_swap_blocks, window,
+                   pools.num_window_blocks)
+    log_pools(s, info, kv)
+    budget = Budget(s.max_batch_prefill_tokens, total, s.max_batch_size, s.waiting_served_ratio,
+                    s.max_waiting_tokens)
+    trace = Trace(open(s.trace_file, "w") if s.trace_file else None)
+    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin), trace)
+    return engine, Info(
+        model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device, num_shard=info.world_size,
+        max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens, max_batch_total_tokens=total,
+        max_batch_prefill_tokens=s.max_batch_prefill_tokens, max_batch_size=s.max_batch_size,
+        waiting_served_ratio=s.waiting_served_ratio, max_waiting_tokens=s.max_waiting_tokens,
+        max_concurrent_requests=s.max_concurrent_requests, block_size=s.block_size, num_blocks=kv.pool.num_blocks,
+        num_swap_blocks=kv.swap.num_blocks if kv.swap else 0,
+        num_window_blocks=kv.window.blocks.num_blocks if kv.window else 0, scheduler=s.scheduler,
+        safety_margin=s.margin, prefix_caching=kv.prefix_caching, max_stop_sequences=s.max_stop_sequences,
+        max_top_n_tokens=s.max_top_n_tokens)
+
+
+def check_capacity(s: Settings, num_blocks: int) -> int:
+    """The batch's token budget; refuses to start when one request of --max-total-tokens cannot fit."""
+    capacity = num_blocks * s.block_size
+    total = min(s.max_batch_total_tokens or capacity, capacity)
+    if s.max_total_tokens > total:
+        message = (f"--max-total-tokens {s.max_total_tokens} does not fit in the KV cache ({total} tokens): lower "
+                   "--max-total-tokens or raise --max-batch-total-tokens / --num-blocks / --max-memory-percent")
+        log.error(message)
+        raise RuntimeError(message)
+    log.info("KV cache: %d blocks x %d tokens = %d tokens, room for %d requests of --max-total-tokens",
+             num_blocks, s.block_size, capacity, capacity // s.max_total_tokens)
+    return total
+
+
+def log_pools(s: Settings, info, kv) -> None:
+    if kv.window is not None:
+        log.info("sliding-window layers: %d of %d, window %d, their own pool of %d blocks", info.num_window_layers,
+                 info.num_layers, kv.window.window, kv.window.blocks.num_blocks)
+    swap = f"to {kv.swap.num_blocks} host blocks" if kv.swap else "off (soft reset)"
+    log.info("prefix caching %s; scheduler %s, safety margin %.2f; offload %s",
+             "on" if kv.prefix_caching else "off", s.scheduler, s.margin, swap)
+
+
+class Server:
+    """uvicorn, draining on SIGTERM/SIGINT: /health and new requests get 503 while in-flight ones finish. The
+    signal is not raised again once the server has stopped (uvicorn's default), so a clean stop exits 0."""
+
+    def __init__(self, config, svc):
+        import uvicorn
+
+        self.svc = svc
+        self.server = uvicorn.Server(config)
+        self.server.capture_signals = self.capture_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handlers = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def on_signal(self, sig, frame) -> None:
+        self.svc.draining = True
+        self.server.handle_exit(sig, frame)
+
+    def run(self) -> None:
+        self.server.run()

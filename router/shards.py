@@ -1,10 +1,15 @@
-"""The router's client to the shards: every call goes to every rank at once; rank 0's answer is the answer."""
+"""The router's client to the shards: every call goes to every rank at once; rank 0's answer is the answer.
+
+This is where the scheduler's plans become the contract's messages (proto/generate.proto): a Step's entries,
+its block moves and the tables the shards rebind.
+"""
 import asyncio
 
 import grpc
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from router.core.step import Entry, Step
 
 
 class ShardError(Exception):
@@ -33,8 +38,9 @@ class Shards:
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest())
 
-    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        """Each shard sizes its own pools; the usable pools are the smallest of them."""
+    async def warmup(self, **sizing) -> pb.WarmupResponse:
+        """Each shard sizes its own pools (WarmupRequest's fields); the usable pools are the smallest."""
+        request = pb.WarmupRequest(**sizing)
         answers = await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
         smallest = min(a.num_blocks for a in answers)
         if any(a.num_blocks != smallest for a in answers):
@@ -44,11 +50,17 @@ class Shards:
                                  num_window_blocks=min(a.num_window_blocks for a in answers),
                                  num_swap_blocks=min(a.num_swap_blocks for a in answers))
 
-    async def offload(self, request: pb.OffloadRequest) -> None:
-        await self._all("Offload", request)
+    async def offload(self, step: Step) -> None:
+        await self._all("Offload", pb.OffloadRequest(
+            to_cpu=[pb.BlockCopy(src=b, dst=s) for b, s in step.to_cpu],
+            to_device=[pb.BlockCopy(src=s, dst=b) for s, b in step.to_device],
+            tables=[pb.RequestBlocks(id=i, blocks=blocks) for i, blocks in step.tables.items()]))
 
-    async def step(self, prefill: bool, entries: list[pb.StepEntry]) -> pb.StepResponse:
-        return await self._all("Prefill" if prefill else "Decode", pb.StepRequest(entries=entries))
+    async def step(self, step: Step, jobs) -> pb.StepResponse:
+        """Prefill when the step carries prompt tokens, else Decode; `jobs` gives each request's sampling
+        parameters (sent with its first entry only: the shards keep them)."""
+        entries = [entry_message(e, jobs[e.request.id].parameters) for e in step.entries]
+        return await self._all("Prefill" if step.has_prefill else "Decode", pb.StepRequest(entries=entries))
 
     async def filter(self, remove_ids: list[int]) -> None:
         await self._all("FilterBatch", pb.FilterBatchRequest(remove_ids=remove_ids))
@@ -58,3 +70,14 @@ class Shards:
 
     async def close(self) -> None:
         await asyncio.gather(*[c.close() for c in self.channels])
+
+
+def entry_message(e: Entry, parameters: pb.SamplingParameters) -> pb.StepEntry:
+    """One entry of a step as the shards receive it: only the new tokens and blocks; the rest they keep."""
+    req = e.request
+    return pb.StepEntry(
+        id=req.id, input_ids=req.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
+        sample=e.sample, cached_tokens=e.start, parameters=parameters if e.first else None,
+        prompt_tokens=len(req.prompt_ids) if e.first else 0,
+        new_window_blocks=e.new_window_blocks, window_dropped=e.window_dropped,
+    )

@@ -4,8 +4,8 @@ import json
 import time
 from typing import Optional, TextIO
 
-from router.request import Request
-from router.step import Step
+from router.core.request import Request
+from router.core.step import Step
 
 
 class Trace:

@@ -1,4 +1,7 @@
-"""`python -m shard`: load this rank's slice of the model and serve the Shard service on a unix socket."""
+"""`python -m shard`: load this rank's slice of the model and serve the Shard service on a unix socket.
+
+Started by the launcher, which passes every option (their defaults live with the other settings, in
+router/settings.py)."""
 import logging
 import os
 import signal
@@ -6,20 +9,20 @@ import threading
 
 import typer
 
-app = typer.Typer(add_completion=False)
+app = typer.Typer(add_completion=False, rich_markup_mode=None)
 
 
 @app.command()
 def main(
     model_dir: str = typer.Option(...),
     uds: str = typer.Option(..., help="unix socket path to serve on"),
-    rank: int = 0,
-    world_size: int = 1,
-    master_addr: str = "127.0.0.1",
-    master_port: int = 29500,
-    dtype: str = "bfloat16",
-    device: str = "auto",
-    block_size: int = 16,
+    rank: int = typer.Option(...),
+    world_size: int = typer.Option(...),
+    master_addr: str = typer.Option(...),
+    master_port: int = typer.Option(...),
+    dtype: str = typer.Option(...),
+    device: str = typer.Option(...),
+    block_size: int = typer.Option(...),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")

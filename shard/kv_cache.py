@@ -6,8 +6,13 @@ belongs to the same request, so one block table addresses them all. `window` hol
 of hybrid models (None otherwise): they only ever need the last window of tokens, so they get their own,
 much smaller pool and block table, from which the router drops blocks that slid out of the window.
 """
+from dataclasses import dataclass
 
 import torch
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -40,3 +45,45 @@ class KVCache:
             self.where.append((p, sum(q is p for q, _ in self.where)))
         # layer index -> (in the window pool, keys, values), each [kv_heads, blocks, block_size, head_dim]
         self.layers = [(p is self.window, p[j, 0], p[j, 1]) for p, j in self.where]
+
+
+@dataclass
+class PoolSizes:
+    num_blocks: int
+    num_window_blocks: int
+    num_swap_blocks: int
+    bytes_per_block: int
+    bytes_per_window_block: int
+
+
+def size_pools(sliding: list[bool], sliding_window: int, block_size: int, kv_heads: int, head_dim: int,
+               dtype: torch.dtype, device: torch.device, world: int, *, num_blocks: int, max_prefill_tokens: int,
+               max_batch_size: int, max_total_tokens: int, memory_fraction: float, swap_bytes: int) -> PoolSizes:
+    """How many blocks each pool gets: `num_blocks` when the router fixed it, else what fits in
+    `memory_fraction` of the free memory (after the activations a warm-up measured), never more than
+    max_batch_size requests of max_total_tokens could use.
+
+    The window pool is sized so that it never runs out. In a step computing n of its tokens, a request's window
+    table spans from its oldest visible key (first query - window + 1) to its newest token: at most
+    ceil((window - 1) / bs) + 1 + ceil((n - 1) / bs) blocks, and over the batch the last terms add up to at most
+    ceil(max_prefill_tokens / bs) + max_batch_size. Nor can it need more blocks than the full pool has: a
+    window table holds a subset of the same request's blocks. The swap pool mirrors at most the device pool.
+    """
+    window_layers = sum(sliding)
+    per_block = bytes_per_block(len(sliding) - window_layers, block_size, kv_heads, head_dim, dtype)
+    per_window_block = bytes_per_block(window_layers, block_size, kv_heads, head_dim, dtype)
+    most_window = 0
+    if window_layers:
+        most_window = (max_batch_size * (ceil_div(sliding_window - 1, block_size) + 2)
+                       + ceil_div(max(max_prefill_tokens, 1), block_size))
+    if not num_blocks:
+        budget = free_memory(device, world if device.type == "cpu" else 1) * memory_fraction
+        if device.type == "cpu":  # the swap pool (at most the pool's size) comes out of the same RAM
+            budget -= min(swap_bytes, budget / 2)
+        fit = int((budget - most_window * per_window_block) // per_block)
+        if fit < most_window:  # too little memory for both: pools of equal size
+            fit = int(budget // (per_block + per_window_block))
+        most_ever = max_batch_size * ceil_div(max_total_tokens, block_size)
+        num_blocks = min(fit, most_ever or fit)
+    swap = min(swap_bytes // per_block, num_blocks) if num_blocks > 0 else 0
+    return PoolSizes(num_blocks, min(most_window, num_blocks), swap, per_block, per_window_block)

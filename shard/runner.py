@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto import generate_pb2 as pb
-from shard import attention
-from shard.attention import Group, PoolStep, StepLayout
-from shard.kv_cache import KVCache
+from shard import attention, layout
+from shard.kv_cache import KVCache, ceil_div
 from shard.model import LoadedModel
 from shard.sampling import Params, sample
+from shard.step import Entry, Sampled, StepResult
 
 
 @dataclass
@@ -71,9 +70,38 @@ class Runner:
         self.requests.clear()
 
     @torch.inference_mode()
-    def step(self, entries) -> tuple[list[pb.Generation], list[pb.PrefillLogprobs], int]:
-        """entries: proto StepEntry list. Returns (generations, prompt logprobs, forward nanoseconds)."""
+    def step(self, entries: list[Entry]) -> StepResult:
+        """One forward over every entry's tokens, then sampling (rank 0 only)."""
         states = [self._state(e) for e in entries]
+        ids, positions, keep, layout = self._batch(entries, states)
+        start = time.perf_counter_ns()
+        attention.set_step(layout)
+        try:
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
+        finally:
+            attention.set_step(None)
+        logits = out.logits[0]
+        row_of = {k: i for i, k in enumerate(keep)}
+        prefill, sampled, offset = [], [], 0
+        for e, st in zip(entries, states):
+            n = len(e.input_ids)
+            if st.wants_prefill_logprobs(n) and self.rank == 0:
+                rows = logits[row_of[offset]:row_of[offset + n - 1] + 1]
+                prefill.append((e.id, self._prompt_logprobs(st, e.input_ids, rows)))
+            if e.sample:
+                sampled.append((e, st, row_of[offset + n - 1]))
+            st.cached += n
+            if st.params.penalized:
+                st.history.extend(e.input_ids)
+            offset += n
+        generations = self._sample(logits, sampled) if self.rank == 0 and sampled else []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(generations, prefill, time.perf_counter_ns() - start)
+
+    def _batch(self, entries: list[Entry], states: list[RequestState]):
+        """The ragged batch: token ids and positions [1, T], the rows whose logits are kept, the layout."""
         windowed = self.cache.window is not None
         ids, positions, slots, window_slots, keep = [], [], [], [], []
         decode, chunks = [], []
@@ -83,57 +111,24 @@ class Runner:
             pos = torch.arange(st.cached, st.cached + n)
             ids.append(torch.tensor(e.input_ids))
             positions.append(pos)
-            slots.append(self._slots(st.blocks, 0, pos))
+            slots.append(layout.slots(st.blocks, 0, pos, self.block_size))
             if windowed:
-                window_slots.append(self._slots(st.window_blocks, st.window_base, pos))
+                window_slots.append(layout.slots(st.window_blocks, st.window_base, pos, self.block_size))
             (decode if n == 1 else chunks).append((offset, n, st))
             if st.wants_prefill_logprobs(n):
                 keep.extend(range(offset, offset + n))
             elif e.sample:
                 keep.append(offset + n - 1)
             offset += n
-        members = [g for g in (decode, chunks) if g]
-        layout = StepLayout(
-            full=self._pool_step(slots, members, window=False),
-            window=self._pool_step(window_slots, members, window=True) if windowed else None,
-            cache=self.cache.layers,
-        )
-        start = time.perf_counter_ns()
-        attention.set_step(layout)
-        try:
-            out = self.model(
-                input_ids=torch.cat(ids).unsqueeze(0).to(self.device),
-                position_ids=torch.cat(positions).unsqueeze(0).to(self.device),
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                use_cache=False,
-            )
-        finally:
-            attention.set_step(None)
-        logits = out.logits[0]
-        row_of = {k: i for i, k in enumerate(keep)}
-        prefill, sampled, offset = [], [], 0
-        for e, st in zip(entries, states):
-            n = len(e.input_ids)
-            if st.wants_prefill_logprobs(n) and self.rank == 0:
-                prefill.append(pb.PrefillLogprobs(id=e.id, logprobs=self._prompt_logprobs(
-                    st, e.input_ids, logits[row_of[offset]:row_of[offset + n - 1] + 1])))
-            if e.sample:
-                sampled.append((e, st, row_of[offset + n - 1]))
-            st.cached += n
-            if st.params.penalized:
-                st.history.extend(e.input_ids)
-            offset += n
-        generations = []
-        if self.rank == 0 and sampled:
-            picks = sample(logits[[r for _, _, r in sampled]], [st.params for _, st, _ in sampled],
-                           [self._history(st) for _, st, _ in sampled], [st.cached for _, st, _ in sampled])
-            generations = [
-                pb.Generation(id=e.id, token_id=tok, logprob=lp,
-                              top_tokens=[pb.TopToken(token_id=t, logprob=v) for t, v in top])
-                for (e, _, _), (tok, lp, top) in zip(sampled, picks)]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return generations, prefill, time.perf_counter_ns() - start
+        step_layout = layout.build([g for g in (decode, chunks) if g], slots, window_slots if windowed else None,
+                                   self.cache, self.block_size, self.device)
+        return (torch.cat(ids).unsqueeze(0).to(self.device), torch.cat(positions).unsqueeze(0).to(self.device),
+                keep, step_layout)
+
+    def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:
+        picks = sample(logits[[r for _, _, r in sampled]], [st.params for _, st, _ in sampled],
+                       [self._history(st) for _, st, _ in sampled], [st.cached for _, st, _ in sampled])
+        return [Sampled(e.id, token, logprob, top) for (e, _, _), (token, logprob, top) in zip(sampled, picks)]
 
     def _prompt_logprobs(self, st: RequestState, input_ids, rows: torch.Tensor) -> list[float]:
         """Row j scores token j+1; the previous chunk's last row scores this chunk's first token."""
@@ -150,24 +145,23 @@ class Runner:
         st.pending_row = rows[-1].clone() if more_prompt else None
         return scored
 
-    def _state(self, e) -> RequestState:
-        first = e.HasField("parameters")
+    def _state(self, e: Entry) -> RequestState:
+        first = e.params is not None
         if first:
-            self.requests[e.id] = RequestState(Params.from_proto(e.parameters), e.prompt_tokens,
-                                               e.parameters.prefill_logprobs, cached=e.cached_tokens)
+            self.requests[e.id] = RequestState(e.params, e.prompt_tokens, e.prefill_logprobs, cached=e.cached_tokens)
         st = self.requests.get(e.id)
         if st is None:
             raise StepError(f"request {e.id} is not known to this shard")
         if st.cached != e.cached_tokens:
             raise StepError(f"request {e.id}: shard holds {st.cached} tokens, router says {e.cached_tokens}")
         st.blocks.extend(e.new_blocks)
-        if -(-(st.cached + len(e.input_ids)) // self.block_size) > len(st.blocks):
+        if ceil_div(st.cached + len(e.input_ids), self.block_size) > len(st.blocks):
             raise StepError(f"request {e.id}: {len(st.blocks)} blocks cannot hold its tokens")
         if self.cache.window is not None:
             self._slide(e, st, first)
         return st
 
-    def _slide(self, e, st: RequestState, first: bool) -> None:
+    def _slide(self, e: Entry, st: RequestState, first: bool) -> None:
         """Applies the router's changes to the window table, then checks that it still holds every key the
         step's queries see in the sliding layers and has a slot for every token the step writes."""
         if not first and e.window_dropped > len(st.window_blocks):
@@ -184,47 +178,16 @@ class Runner:
             raise StepError(f"request {e.id}: window table ends at token {start + len(st.window_blocks) * bs}, "
                             f"the step writes up to token {end}")
 
-    def _slots(self, table: list[int], base: int, pos: torch.Tensor) -> torch.Tensor:
-        """Cache slot of each position, in a block table whose first block is logical block `base`."""
-        return torch.tensor(table)[pos // self.block_size - base] * self.block_size + pos % self.block_size
-
     def _history(self, st: RequestState):
         return torch.tensor(st.history, device=self.device) if st.params.penalized else None
 
-    def _pool_step(self, slots: list[torch.Tensor], members, window: bool) -> PoolStep:
-        return PoolStep(torch.cat(slots).to(self.device), [self._group(g, window) for g in members],
-                        self.block_size, {})
-
-    def _group(self, members, window: bool) -> Group:
-        """window: address the sliding layers' pool (window tables, keys from window_base on)."""
-        tables = [st.window_blocks if window else st.blocks for _, _, st in members]
-        width = max(len(t) for t in tables)
-        q = max(n for _, n, _ in members)
-        rows = torch.zeros(len(members), q, dtype=torch.long)
-        valid = torch.zeros(len(members), q, dtype=torch.bool)
-        padded = torch.zeros(len(members), width, dtype=torch.long)
-        qpos = torch.zeros(len(members), q, dtype=torch.long)
-        kv_len = torch.zeros(len(members), dtype=torch.long)
-        key_start = torch.zeros(len(members), dtype=torch.long)
-        for i, ((offset, n, st), table) in enumerate(zip(members, tables)):
-            rows[i, :n] = torch.arange(offset, offset + n)
-            valid[i, :n] = True
-            padded[i, :len(table)] = torch.tensor(table)
-            qpos[i, :n] = torch.arange(st.cached, st.cached + n)
-            kv_len[i] = st.cached + n
-            key_start[i] = st.window_base * self.block_size if window else 0
-        d = self.device
-        return Group(rows.to(d), valid.to(d), padded.to(d), qpos, kv_len, key_start)
-
     def warmup(self, max_prefill_tokens: int) -> None:
         """One forward at the largest step size, so activation memory is known before the pool is sized."""
-        blocks = -(-max_prefill_tokens // self.block_size)
+        blocks = ceil_div(max_prefill_tokens, self.block_size)
         windowed = any(self.loaded.sliding)
         self.allocate(blocks, blocks if windowed else 0)
         self.requests.clear()
-        entry = pb.StepEntry(id=0, input_ids=[1] * max_prefill_tokens, new_blocks=list(range(blocks)),
-                             new_window_blocks=list(range(blocks)) if windowed else [],
-                             sample=True, parameters=pb.SamplingParameters())
-        self.step([entry])
+        self.step([Entry(0, [1] * max_prefill_tokens, list(range(blocks)), sample=True, params=Params(),
+                         new_window_blocks=list(range(blocks)) if windowed else [])])
         self.requests.clear()
         self.cache = None

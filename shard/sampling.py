@@ -20,11 +20,6 @@ class Params:
     typical_p: float = 1.0
     top_n_tokens: int = 0
 
-    @classmethod
-    def from_proto(cls, p) -> "Params":
-        return cls(p.temperature or 1.0, p.top_k, p.top_p or 1.0, p.do_sample, p.seed,
-                   p.repetition_penalty or 1.0, p.frequency_penalty, p.typical_p or 1.0, p.top_n_tokens)
-
     @property
     def greedy(self) -> bool:
         return not self.do_sample

@@ -11,9 +11,11 @@ import torch
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from shard.kv_cache import bytes_per_block, free_memory
+from shard.kv_cache import size_pools
 from shard.model import LoadedModel
 from shard.runner import Runner, StepError
+from shard.sampling import Params
+from shard.step import Entry
 from shard.swap import SwapPool
 
 log = logging.getLogger("shard")
@@ -43,55 +45,37 @@ class ShardService(pb_grpc.ShardServicer):
     def Warmup(self, request, context):
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
-        window_layers = sum(m.sliding)
-        per_block = bytes_per_block(m.num_layers - window_layers, r.block_size, m.kv_heads, m.head_dim,
-                                    m.model.dtype)
-        per_window_block = bytes_per_block(window_layers, r.block_size, m.kv_heads, m.head_dim, m.model.dtype)
-        # The window pool is sized so that it never runs out. In a step computing n of its tokens, a request's
-        # window table spans from its oldest visible key (first query - window + 1) to its newest token: at most
-        # ceil((window - 1) / bs) + 1 + ceil((n - 1) / bs) blocks, and over the batch the last terms add up to at
-        # most ceil(max_prefill_tokens / bs) + max_batch_size. Nor can it need more blocks than the full pool
-        # has: a window table holds a subset of the same request's blocks.
-        most_window = 0
-        if window_layers:
-            most_window = (request.max_batch_size * (-(-(m.sliding_window - 1) // r.block_size) + 2)
-                           + -(-max(request.max_prefill_tokens, 1) // r.block_size))
-        num_blocks = request.num_blocks
-        if not num_blocks:
-            local_world = self.world if r.device.type == "cpu" else 1
-            budget = free_memory(r.device, local_world) * (request.max_memory_fraction or 0.9)
-            if r.device.type == "cpu" and not window_layers:  # the swap pool (at most the pool's size) shares it
-                budget -= min(request.cpu_swap_bytes, budget / 2)
-            fit = int((budget - most_window * per_window_block) // per_block)
-            if fit < most_window:  # too little memory for both: pools of equal size
-                fit = int(budget // (per_block + per_window_block))
-            most_ever = request.max_batch_size * -(-request.max_total_tokens // r.block_size)
-            num_blocks = min(fit, most_ever or fit)
-        num_window_blocks = min(most_window, num_blocks)
-        if num_blocks < 1:
+        sizes = size_pools(m.sliding, m.sliding_window, r.block_size, m.kv_heads, m.head_dim, m.model.dtype,
+                           r.device, self.world, num_blocks=request.num_blocks,
+                           max_prefill_tokens=request.max_prefill_tokens, max_batch_size=request.max_batch_size,
+                           max_total_tokens=request.max_total_tokens, memory_fraction=request.max_memory_fraction,
+                           swap_bytes=request.cpu_swap_bytes)
+        if sizes.num_blocks < 1:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no memory left for a single KV block")
-        r.allocate(num_blocks, num_window_blocks)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, r.block_size,
-                 num_blocks * per_block / 2**20)
-        if num_window_blocks:
-            log.info("sliding-window layers' KV cache: %d blocks (%.1f MiB)", num_window_blocks,
-                     num_window_blocks * per_window_block / 2**20)
-        # At most the device pool's size: room for any request, and host memory is not the KV cache's twin.
-        # Hybrid models get none: their eviction is a soft reset (the router offloads full-pool blocks only).
-        swap_slots = 0 if num_window_blocks else min(request.cpu_swap_bytes // per_block, num_blocks)
-        self.swap = SwapPool(r.cache.full, swap_slots) if swap_slots else None
+        r.allocate(sizes.num_blocks, sizes.num_window_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", sizes.num_blocks, r.block_size,
+                 sizes.num_blocks * sizes.bytes_per_block / 2**20)
+        if sizes.num_window_blocks:
+            log.info("sliding-window layers' KV cache: %d blocks (%.1f MiB)", sizes.num_window_blocks,
+                     sizes.num_window_blocks * sizes.bytes_per_window_block / 2**20)
+        self.swap = SwapPool(r.cache.full, sizes.num_swap_blocks) if sizes.num_swap_blocks else None
         if self.swap:
-            log.info("swap pool: %d blocks (%.1f MiB of host memory)", swap_slots, swap_slots * per_block / 2**20)
-        return pb.WarmupResponse(num_blocks=num_blocks, num_window_blocks=num_window_blocks,
-                                 num_swap_blocks=swap_slots)
+            log.info("swap pool: %d blocks (%.1f MiB of host memory)", sizes.num_swap_blocks,
+                     sizes.num_swap_blocks * sizes.bytes_per_block / 2**20)
+        return pb.WarmupResponse(num_blocks=sizes.num_blocks, num_window_blocks=sizes.num_window_blocks,
+                                 num_swap_blocks=sizes.num_swap_blocks)
 
     def _step(self, request, context):
         try:
-            generations, prefill, ns = self.runner.step(request.entries)
+            result = self.runner.step([step_entry(e) for e in request.entries])
         except StepError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        tokens = sum(len(e.input_ids) for e in request.entries)
-        return pb.StepResponse(generations=generations, prefill=prefill, forward_ns=ns, tokens=tokens)
+        return pb.StepResponse(
+            generations=[pb.Generation(id=g.id, token_id=g.token_id, logprob=g.logprob,
+                                       top_tokens=[pb.TopToken(token_id=t, logprob=v) for t, v in g.top])
+                         for g in result.generations],
+            prefill=[pb.PrefillLogprobs(id=i, logprobs=lps) for i, lps in result.prefill],
+            forward_ns=result.forward_ns, tokens=sum(len(e.input_ids) for e in request.entries))
 
     Prefill = _step
     Decode = _step
@@ -123,6 +107,16 @@ class ShardService(pb_grpc.ShardServicer):
         log.debug("offload: %d blocks out, %d in, %.1f ms", len(request.to_cpu), len(request.to_device),
                   (time.perf_counter() - start) * 1e3)
         return pb.OffloadResponse()
+
+
+def step_entry(e: pb.StepEntry) -> Entry:
+    """A gRPC step entry as the runner takes it."""
+    first = e.HasField("parameters")
+    p = e.parameters
+    params = Params(p.temperature or 1.0, p.top_k, p.top_p or 1.0, p.do_sample, p.seed, p.repetition_penalty or 1.0,
+                    p.frequency_penalty, p.typical_p or 1.0, p.top_n_tokens) if first else None
+    return Entry(e.id, list(e.input_ids), list(e.new_blocks), e.sample, e.cached_tokens, params, e.prompt_tokens,
+                 first and p.prefill_logprobs, list(e.new_window_blocks), e.window_dropped)
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:

@@ -1,0 +1,1 @@
+"""The HTTP surfaces: TGI's routes, OpenAI's, their validation, guards, errors and /info, over one Service."""

@@ -1,0 +1,151 @@
+"""OpenAI's request shapes and errors, and how a request becomes a TGI-shaped `Parameters` and prompt."""
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel
+
+from router.api.errors import APIError
+from router.api.service import Service
+from router.api.validation import Parameters
+
+FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's own limits (the router's may be lower)
+
+
+def invalid(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(422, message, "validation", param)
+
+
+# ---- request shapes -------------------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Common(BaseModel):
+    """Fields both routes take. Unknown fields are ignored, as OpenAI-compatible servers do."""
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM's extensions
+    ignore_eos: bool = False
+    top_k: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    priority: int = 0
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+# ---- translating a request -------------------------------------------------------------------------------------
+
+def to_parameters(req: Common, max_tokens: Optional[int], top_n: int) -> Parameters:
+    if req.n is not None and req.n != 1:
+        raise invalid(f"`n` must be 1: cb returns a single choice per request (got n={req.n})", "n")
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid("`max_tokens` must be at least 1", "max_tokens")
+    if req.temperature is not None and req.temperature < 0:
+        raise invalid("`temperature` must be >= 0", "temperature")
+    if req.seed is not None and not 0 <= req.seed < 2**64:
+        raise invalid("`seed` must be in [0, 2**64)", "seed")
+    if req.presence_penalty:
+        raise invalid("`presence_penalty` is not supported (use `frequency_penalty`)", "presence_penalty")
+    if req.logit_bias:
+        raise invalid("`logit_bias` is not supported", "logit_bias")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    greedy = req.temperature == 0  # OpenAI's and vLLM's meaning: top_p/top_k/seed are then moot
+    extra = {"top_n_tokens": top_n} if top_n and "top_n_tokens" in Parameters.model_fields else {}
+    return Parameters(
+        max_new_tokens=max_tokens, do_sample=not greedy,
+        temperature=None if greedy else req.temperature, top_p=None if greedy else req.top_p,
+        top_k=None if greedy else req.top_k, seed=req.seed,
+        frequency_penalty=req.frequency_penalty or None, repetition_penalty=req.repetition_penalty,
+        stop=[s for s in stop if s], ignore_eos=req.ignore_eos, priority=req.priority, details=True, **extra,
+    )
+
+
+def message_text(m: ChatMessage, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(f"messages[{i}]: only text content parts are supported (got {part.get('type')!r})",
+                          "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_prompt(svc: Service, req: ChatCompletionRequest) -> list[int]:
+    if not req.messages:
+        raise invalid("`messages` cannot be empty", "messages")
+    if req.tools:
+        raise invalid("`tools` are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise invalid("only `response_format` {\"type\": \"text\"} is supported", "response_format")
+    if getattr(svc.tokenizer, "chat_template", None) is None:
+        raise invalid("this model has no chat template: use /v1/completions", "messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        msg = {"role": m.role, "content": message_text(m, i)}
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    try:
+        ids = svc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja2's TemplateError (a template's raise_exception), ValueError, TypeError
+        raise invalid(f"the chat template refused these messages: {e}", "messages") from e
+    if not isinstance(ids, list):  # a BatchEncoding where transformers returns a dict
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def completion_prompt(req: CompletionRequest) -> Union[str, list[int]]:
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise invalid(f"one prompt per request: got {len(p)} (batched prompts are not supported)", "prompt")
+        p = p[0]
+    if not p:
+        raise invalid("`prompt` cannot be empty", "prompt")
+    if req.suffix:
+        raise invalid("`suffix` is not supported", "suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise invalid("`best_of` must be 1", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise invalid("`echo` with `logprobs` is not supported (no prompt logprobs)", "echo")
+    return p
+
+
+def max_top_logprobs(svc: Service, route: str) -> int:
+    return min(MAX_TOP_LOGPROBS[route], svc.limits.max_top_n_tokens)

@@ -1,0 +1,88 @@
+"""What every HTTP surface (TGI's, OpenAI's) shares: admission, validation, submission, and following a
+job's events while noticing when the client goes away."""
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from router import metrics
+from router.api.errors import APIError
+from router.api.info import Info
+from router.api.validation import GenerateRequest, Limits, ValidationError, validate
+from router.core.request import Request
+from router.detokenizer import Detokenizer
+from router.engine import Engine
+from router.job import Job
+
+
+@dataclass
+class Service:
+    tokenizer: object
+    limits: Limits
+    eos_ids: frozenset
+    max_concurrent_requests: int
+    model_name: str  # what the user called the model, never a cache path
+    engine: Optional[Engine] = None  # set once the shards are warmed up
+    info: Optional[Info] = None
+    draining: bool = False
+    validating: int = 0  # requests admitted but still being tokenized: they count against the limit too
+
+    async def start(self, body: GenerateRequest) -> Job:
+        """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid).
+        Tokenizing runs in a worker thread, so a long prompt never stalls the batching loop."""
+        arrived = time.monotonic()
+        metrics.requests.inc()
+        if self.draining:
+            metrics.outcomes.labels("unhealthy").inc()
+            raise APIError(503, "the server is shutting down", "unhealthy")
+        if self.validating + len(self.engine.jobs) >= self.max_concurrent_requests:
+            metrics.outcomes.labels("overloaded").inc()
+            raise APIError(429, "Model is overloaded", "overloaded")
+        self.validating += 1
+        try:
+            v = await asyncio.to_thread(validate, body, self.tokenizer, self.limits)
+        except ValidationError as e:
+            metrics.outcomes.labels("validation").inc()
+            raise APIError(422, str(e), "validation") from e
+        finally:
+            self.validating -= 1
+        job = Job(
+            request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens,
+                            priority=body.parameters.priority,
+                            stop_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,
+                            reuse_prefix=not body.parameters.decoder_input_details),
+            parameters=v.sampling,
+            detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
+            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed, arrived_at=arrived,
+        )
+        metrics.validation_duration.observe(job.queued_at - arrived)
+        metrics.input_length.observe(len(v.input_ids))
+        self.engine.submit(job)
+        return job
+
+    def text(self, job: Job) -> str:
+        return self.tokenizer.decode(job.request.generated, skip_special_tokens=True)
+
+    async def events(self, job: Job, http=None) -> AsyncIterator[tuple[str, object]]:
+        """The job's events ("token", Token), then ("end", job) or ("error", message). Leaving early cancels
+        the job (it leaves the batch at the next step); with `http` given, so does the client going away."""
+        watcher = asyncio.create_task(_watch(job, http)) if http is not None else None
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "gone":
+                    return
+                yield kind, payload
+                if kind != "token":
+                    return
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.engine.cancel(job)
+
+
+async def _watch(job: Job, http, interval: float = 0.25) -> None:
+    """Non-streaming responses get no disconnect signal of their own: poll for it."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(interval)
+    job.events.put_nowait(("gone", None))

@@ -1,0 +1,155 @@
+"""TGI's routes: /generate, /generate_stream, / (compat), /tokenize, /health, /info and /metrics."""
+import asyncio
+import json
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router import metrics
+from router.api.errors import APIError, error_body
+from router.api.info import Info
+from router.api.service import Service
+from router.api.validation import GenerateRequest
+from router.job import Job, Token
+from router.shards import ShardError
+
+
+def token_json(t: Token) -> dict:
+    return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+
+
+def details_json(job: Job) -> dict:
+    return {
+        "finish_reason": job.finish_reason,
+        "generated_tokens": len(job.tokens),
+        "seed": job.seed,
+        "input_length": len(job.request.prompt_ids),
+    }
+
+
+def full_details_json(job: Job, svc: Service, body: GenerateRequest) -> dict:
+    out = {k: v for k, v in details_json(job).items() if k != "input_length"}
+    out["prefill"] = []
+    if body.parameters.decoder_input_details:
+        ids = job.request.prompt_ids
+        out["prefill"] = [{"id": i, "text": svc.tokenizer.decode([i]), "logprob": None if lp != lp else lp}
+                          for i, lp in zip(ids, job.prefill_logprobs)]
+    out["tokens"] = [token_json(t) for t in job.tokens]
+    if body.parameters.top_n_tokens:
+        out["top_tokens"] = [[token_json(x) for x in t.top_tokens] for t in job.tokens]
+    return out
+
+
+def sse(obj: dict) -> str:
+    return f"data:{json.dumps(obj)}\n\n"
+
+
+def timing_headers(job: Job, svc: Service, body: GenerateRequest) -> dict:
+    """TGI's x-* headers (durations in milliseconds)."""
+    end = job.finished_at or job.queued_at
+    first = job.first_token_at or end
+    ms = lambda s: str(int(s * 1000))  # noqa: E731
+    return {
+        "x-compute-type": svc.info.model_device_type if svc.info else "cpu",
+        "x-compute-time": f"{end - job.queued_at:.6f}",
+        "x-compute-characters": str(len(body.inputs) if isinstance(body.inputs, str) else 0),
+        "x-total-time": ms(end - job.arrived_at), "x-validation-time": ms(job.queued_at - job.arrived_at),
+        "x-queue-time": ms(first - job.queued_at), "x-inference-time": ms(end - first),
+        "x-time-per-token": ms((end - job.queued_at) / max(1, len(job.tokens))),
+        "x-prompt-tokens": str(len(job.request.prompt_ids)), "x-generated-tokens": str(len(job.tokens)),
+    }
+
+
+class TGIRoutes:
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    def final_text(self, job: Job, body: GenerateRequest) -> str:
+        text = self.svc.text(job)
+        if body.parameters.return_full_text and isinstance(body.inputs, str):
+            text = body.inputs + text
+        return text
+
+    async def generate_json(self, body: GenerateRequest, http: HttpRequest) -> tuple[dict, dict]:
+        job = await self.svc.start(body)
+        async for kind, payload in self.svc.events(job, http):
+            if kind == "error":
+                raise APIError(424, payload, "generation")
+        if job.finish_reason is None:
+            raise APIError(499, "client closed the request", "cancelled")
+        out = {"generated_text": self.final_text(job, body)}
+        if body.parameters.details:
+            out["details"] = full_details_json(job, self.svc, body)
+        return out, timing_headers(job, self.svc, body)
+
+    async def stream_response(self, body: GenerateRequest) -> StreamingResponse:
+        job = await self.svc.start(body)
+
+        async def stream():
+            index = 0
+            async for kind, payload in self.svc.events(job):
+                if kind == "error":
+                    yield sse(error_body(False, 424, payload, "generation"))
+                elif kind == "token":
+                    index += 1
+                    last = payload.final
+                    top = [token_json(t) for t in payload.top_tokens] if body.parameters.top_n_tokens else None
+                    yield sse({
+                        "index": index, "token": token_json(payload), "top_tokens": top,
+                        "generated_text": self.final_text(job, body) if last else None,
+                        "details": details_json(job) if last else None,
+                    })
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def generate(self, body: GenerateRequest, http: HttpRequest):
+        out, headers = await self.generate_json(body, http)
+        return JSONResponse(out, headers=headers)
+
+    async def generate_stream(self, body: GenerateRequest):
+        return await self.stream_response(body)
+
+    async def compat_generate(self, body: GenerateRequest, http: HttpRequest):
+        """TGI's compat route: `stream` picks SSE; otherwise a JSON list of one response."""
+        if body.stream:
+            return await self.stream_response(body)
+        out, headers = await self.generate_json(body, http)
+        return JSONResponse([out], headers=headers)
+
+    async def tokenize(self, body: GenerateRequest):
+        if not isinstance(body.inputs, str) or not body.inputs:
+            raise APIError(422, "`inputs` must be a non-empty string", "validation")
+        enc = self.svc.tokenizer(body.inputs, return_offsets_mapping=True)
+        return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
+                for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+
+    async def health(self):
+        engine = self.svc.engine
+        if self.svc.draining:
+            raise APIError(503, "the server is shutting down", "unhealthy")
+        if engine.last_step_failed:
+            raise APIError(503, "the last step failed on a shard", "unhealthy")
+        if not engine.busy:  # while steps run they prove the shards alive; a Health call would queue behind
+            try:
+                await asyncio.wait_for(engine.shards.health(), timeout=5)
+            except (ShardError, asyncio.TimeoutError) as e:
+                raise APIError(503, f"a shard is unhealthy: {e}", "unhealthy") from e
+        return JSONResponse({})
+
+    async def info(self) -> Info:
+        return self.svc.info
+
+    async def prometheus(self):
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def install_tgi_routes(app: FastAPI, svc: Service) -> None:
+    routes = TGIRoutes(svc)
+    app.post("/generate")(routes.generate)
+    app.post("/generate_stream")(routes.generate_stream)
+    app.post("/")(routes.compat_generate)
+    app.post("/tokenize")(routes.tokenize)
+    app.get("/health")(routes.health)
+    app.get("/info", response_model=Info)(routes.info)
+    app.get("/metrics")(routes.prometheus)

@@ -1,0 +1,133 @@
+"""TGI's request shape and its validation rules: a bad request is refused before it reaches the queue."""
+import random
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from pydantic import BaseModel, Field
+
+from proto import generate_pb2 as pb
+
+
+class Parameters(BaseModel):
+    max_new_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    typical_p: Optional[float] = None
+    do_sample: bool = False
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    stop: list[str] = Field(default_factory=list)
+    details: bool = False
+    decoder_input_details: bool = False
+    return_full_text: bool = False
+    truncate: Optional[int] = None
+    top_n_tokens: Optional[int] = None
+    best_of: Optional[int] = None
+    watermark: bool = False
+    ignore_eos: bool = Field(False, description="cb extension (as vLLM): keep generating past EOS")
+    priority: int = Field(0, description="cb extension (as vLLM): lower is served first and evicted last")
+
+
+class GenerateRequest(BaseModel):
+    inputs: Union[str, list[int]] = Field(..., description="a prompt, or (cb extension) its token ids")
+    parameters: Parameters = Field(default_factory=Parameters)
+    stream: bool = False
+
+
+class ValidationError(Exception):
+    pass
+
+
+@dataclass
+class Limits:
+    max_input_tokens: int
+    max_total_tokens: int
+    vocab_size: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+
+
+@dataclass
+class Validated:
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: pb.SamplingParameters
+    stop: list[str]
+    seed: Optional[int]
+
+
+def _check_parameters(p: Parameters, limits: Limits) -> None:
+    """TGI's rules, with TGI's messages."""
+    if p.best_of is not None and p.best_of > 1:
+        raise ValidationError("`best_of` > 1 is not supported: send several requests with different seeds")
+    if p.watermark:
+        raise ValidationError("`watermark` is not supported")
+    if p.seed is not None and not 0 <= p.seed < 2**64:
+        raise ValidationError("`seed` must be an unsigned 64-bit integer")
+    if p.temperature is not None and p.temperature <= 0:
+        raise ValidationError("`temperature` must be strictly positive")
+    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    if p.frequency_penalty is not None and not -2 <= p.frequency_penalty <= 2:
+        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if p.top_p is not None and not 0 < p.top_p <= 1:
+        raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
+    if p.typical_p is not None and not 0 < p.typical_p <= 1:
+        raise ValidationError("`typical_p` must be > 0.0 and <= 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
+    if any(not s for s in p.stop):
+        raise ValidationError("`stop` sequences cannot be empty")
+    if len(p.stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                              f"Given: {len(p.stop)}")
+    if not -2**31 <= p.priority < 2**31:
+        raise ValidationError("`priority` must be a 32-bit integer")
+    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= limits.max_top_n_tokens:
+        raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                              f"Given: {p.top_n_tokens}")
+    if p.truncate is not None and not 0 < p.truncate <= limits.max_input_tokens:
+        raise ValidationError(f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
+                              f"Given: {p.truncate}")
+
+
+def _input_ids(req: GenerateRequest, tokenizer, limits: Limits) -> list[int]:
+    if isinstance(req.inputs, str):
+        if not req.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        return tokenizer(req.inputs, add_special_tokens=True)["input_ids"]
+    if not req.inputs:
+        raise ValidationError("`inputs` cannot be empty")
+    if min(req.inputs) < 0 or max(req.inputs) >= limits.vocab_size:
+        raise ValidationError(f"`inputs` token ids must be in [0, {limits.vocab_size})")
+    return list(req.inputs)
+
+
+def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
+    p = req.parameters
+    _check_parameters(p, limits)
+    ids = _input_ids(req, tokenizer, limits)
+    if p.truncate is not None:
+        ids = ids[-p.truncate:]
+    if len(ids) > limits.max_input_tokens:
+        raise ValidationError(f"`inputs` tokens must be <= {limits.max_input_tokens}. Given: {len(ids)}")
+    max_new = p.max_new_tokens if p.max_new_tokens is not None else limits.max_total_tokens - len(ids)
+    if max_new <= 0:
+        raise ValidationError("`max_new_tokens` must be strictly positive")
+    if len(ids) + max_new > limits.max_total_tokens:
+        raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+                              f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
+    sampling = (p.do_sample or p.temperature not in (None, 1.0) or bool(p.top_k)
+                or p.top_p not in (None, 1.0) or p.typical_p not in (None, 1.0))
+    seed = None
+    if sampling:
+        seed = p.seed if p.seed is not None else random.randrange(2**63)
+    params = pb.SamplingParameters(
+        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        do_sample=sampling, seed=seed or 0, repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0, top_n_tokens=p.top_n_tokens or 0,
+        prefill_logprobs=p.decoder_input_details,
+    )
+    return Validated(ids, max_new, params, list(p.stop), seed)

@@ -1,0 +1,53 @@
+"""What the scheduler decided for one step (each request's share, the blocks that move before it runs), and
+what came back from running it.
+
+Pure Python: the engine turns a Step into gRPC calls, the simulator and the trace read it as it is.
+"""
+from dataclasses import dataclass, field
+
+from router.core.request import Request
+
+
+@dataclass
+class Entry:
+    """One request's share of a step: tokens[start:start + num_tokens], blocks appended first."""
+    request: Request
+    start: int
+    num_tokens: int
+    new_blocks: list[int]
+    sample: bool
+    first: bool
+    decode: bool
+    new_window_blocks: list[int] = field(default_factory=list)
+    window_dropped: int = 0
+
+
+@dataclass
+class Step:
+    entries: list[Entry] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)   # soft reset
+    offloaded: list[Request] = field(default_factory=list)
+    restored: list[Request] = field(default_factory=list)
+    to_cpu: list[tuple[int, int]] = field(default_factory=list)     # (device block, swap slot)
+    to_device: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, device block)
+    tables: dict[int, list[int]] = field(default_factory=dict)      # block tables the shards rebind
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if not e.decode)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(not e.decode for e in self.entries)
+
+    @property
+    def evicted(self) -> bool:
+        return bool(self.preempted or self.offloaded)
+
+
+@dataclass
+class Outcome:
+    """What running a step produced: the token sampled for each request that sampled, and the requests whose
+    text now ends with a stop sequence (only the router's detokenizer can tell)."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)

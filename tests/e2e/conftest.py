@@ -1,0 +1,164 @@
+"""Shared fixtures: the real model, transformers' own greedy reference, and real launched servers.
+
+Servers are started once per session (model loading dominates on 2 cores); every test that shares one
+leaves it as it found it, which `assert_idle` checks through /metrics.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real `cb-launcher` process tree: shards, router, HTTP on a free port."""
+
+    def __init__(self, *args: str, model_id: str = "smollm2", wait: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"cb-test-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "launcher", "--model-id", model_id, "--port", str(self.port),
+               "--dtype", "float32", "--master-port", str(free_port()), *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text()[-6000:]
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.url}/info", timeout=10).json()
+
+    def generate(self, inputs, timeout: float = 600, **parameters) -> dict:
+        r = httpx.post(f"{self.url}/generate", json={"inputs": inputs, "parameters": parameters}, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def stream_events(url: str, inputs, timeout: float = 600, **parameters):
+    """Yields the JSON events of /generate_stream as they arrive."""
+    body = {"inputs": inputs, "parameters": parameters}
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=timeout) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                yield json.loads(line[5:])
+
+
+class Reference:
+    """transformers' own greedy `generate`, one prompt alone, fp32: the ground truth."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        torch.manual_seed(0)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @lru_cache(maxsize=None)
+    def _generate(self, ids: tuple, max_new_tokens: int) -> tuple:
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None,
+                                      temperature=None, pad_token_id=self.tokenizer.eos_token_id)
+        return tuple(out[0, len(ids):].tolist())
+
+    def generate(self, ids, max_new_tokens: int) -> list[int]:
+        return list(self._generate(tuple(ids), max_new_tokens))
+
+    def logits(self, ids) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(torch.tensor([list(ids)])).logits[0, -1]
+
+    def assert_same_greedy(self, prompt_ids, ours: list[int], max_new_tokens: int) -> None:
+        """Token-for-token equality; a divergence is accepted only at a genuine near-tie (|Δlogit| < 1e-3)."""
+        ref = self.generate(prompt_ids, max_new_tokens)
+        for k, (a, b) in enumerate(zip(ours, ref)):
+            if a != b:
+                logits = self.logits(list(prompt_ids) + ref[:k])
+                gap = abs(float(logits[a] - logits[b]))
+                assert gap < 1e-3, f"token {k}: served {a}, transformers {b}, logit gap {gap:.2e} (not a near-tie)"
+                return
+        assert len(ours) == len(ref), f"served {len(ours)} tokens, transformers {len(ref)}"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from launcher.model_files import resolve_model
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One shard, a small prefill budget so longer prompts are chunked, fp32 (the exact mode)."""
+    s = Server("--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "16384",
+               "--max-input-tokens", "1024", "--max-total-tokens", "1536")
+    yield s
+    s.stop()
+
+
+def metric(url: str, name: str) -> float:
+    """Reads one sample from /metrics with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+def assert_idle(url: str, timeout: float = 30) -> None:
+    """Every KV block is back in the pool, every swap slot free and nothing offloaded once nothing is running
+    (blocks are freed a step later)."""
+    deadline = time.monotonic() + timeout
+    pairs = [("cb_kv_blocks_free", "cb_kv_blocks_total"), ("cb_swap_blocks_free", "cb_swap_blocks_total")]
+    while (any(metric(url, free) != metric(url, total) for free, total in pairs)
+           or metric(url, "cb_offloaded_requests") != 0):
+        assert time.monotonic() < deadline, "KV blocks or swap slots leaked"
+        time.sleep(0.2)

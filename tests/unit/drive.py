@@ -1,0 +1,67 @@
+"""Driving the pure scheduler as the engine does: schedule(), check every invariant, then update() with one
+token per sampled entry (never a stop token, so requests finish at max_new_tokens). No other drive loop."""
+import itertools
+
+from router.core.request import Request, State
+from router.core.scheduler import Scheduler
+from router.core.step import Outcome, Step
+
+_arrival = itertools.count()
+
+
+def req(prompt_len: int, max_new: int) -> Request:
+    return Request(prompt_ids=list(range(prompt_len)), max_new_tokens=max_new, arrival=next(_arrival))
+
+
+def check(s: Scheduler, step: Step) -> None:
+    """Every invariant that must hold right after schedule()."""
+    b, pool = s.budget, s.kv.pool
+    assert step.prefill_tokens <= b.max_batch_prefill_tokens
+    assert len(s.running) <= b.max_batch_size
+    assert s.held_tokens <= b.max_batch_total_tokens, "tokens held exceed max_batch_total_tokens"
+    ids = [e.request.id for e in step.entries]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    for e in step.entries:
+        r = e.request
+        assert r in s.running and r.state is State.RUNNING
+        assert e.num_tokens > 0 and e.start + e.num_tokens == r.computed
+        assert e.sample == (r.computed == r.num_tokens)
+        assert set(e.new_blocks) <= set(r.blocks)
+    for r in s.running:
+        assert len(r.blocks) * pool.block_size >= r.computed, f"request {r.id} lacks blocks"
+    for r in s.waiting:
+        assert r.state is State.WAITING and r.computed == 0 and r.blocks == []
+    if not s.kv.prefix_caching:  # with prefix caching, requests share blocks (see test_prefix_cache)
+        owned = [blk for r in s.running for blk in r.blocks]
+        assert len(owned) == len(set(owned)), "a block owned by two requests"
+        assert set(pool._free).isdisjoint(owned) and len(owned) + pool.num_free == pool.num_blocks
+
+
+def step(s: Scheduler) -> Step:
+    """One step: the scheduler's plan, checked, then its outcome applied (token 1000 + position)."""
+    planned = s.schedule()
+    check(s, planned)
+    s.update(planned, Outcome({e.request.id: 1000 + len(e.request.generated) for e in planned.entries if e.sample}))
+    return planned
+
+
+def drain(s: Scheduler, limit: int = 10_000) -> list[Step]:
+    steps = []
+    for _ in range(limit):
+        if not s.busy:
+            return steps
+        steps.append(step(s))
+    raise AssertionError("the scheduler never drained")
+
+
+def by_id(planned: Step) -> dict:
+    return {e.request.id: e for e in planned.entries}
+
+
+def assert_empty(s: Scheduler) -> None:
+    kv = s.kv
+    assert kv.pool.num_free == kv.pool.num_blocks, "blocks leaked"
+    if kv.swap is not None:
+        assert kv.swap.num_free == kv.swap.num_blocks, "swap slots leaked"
+    if kv.window is not None:
+        assert kv.window.blocks.num_free == kv.window.blocks.num_blocks, "window blocks leaked"

@@ -1,0 +1,76 @@
+"""A shard failing during a step: every request in the batch gets an error, the shards are cleared, the
+block pool is whole again, and the next request is served. The engine is driven directly with a shard
+client that fails on demand (no model needed: this is the router's own error path)."""
+import asyncio
+
+from proto import generate_pb2 as pb
+from router.core.kv import KVManager
+from router.core.request import Request
+from router.core.scheduler import Budget, Scheduler
+from router.detokenizer import Detokenizer
+from router.engine import Engine
+from router.job import Job
+from router.shards import ShardError
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FlakyShards:
+    """Answers every step with token 7 for each sampled entry, except while `broken`."""
+
+    def __init__(self):
+        self.broken = False
+        self.cleared = 0
+
+    async def step(self, step, jobs):
+        await asyncio.sleep(0)
+        if self.broken:
+            raise ShardError("Prefill: UNAVAILABLE: shard 1 went away")
+        return pb.StepResponse(generations=[pb.Generation(id=e.request.id, token_id=7)
+                                            for e in step.entries if e.sample])
+
+    async def filter(self, ids):
+        pass
+
+    async def clear(self):
+        self.cleared += 1
+
+
+def job(n_prompt: int, n_new: int) -> Job:
+    return Job(Request(list(range(1, n_prompt + 1)), n_new), pb.SamplingParameters(),
+               Detokenizer(Tokenizer(), [], []), frozenset())
+
+
+async def drain(j: Job) -> list:
+    out = []
+    while not out or out[-1][0] == "token":
+        out.append(await asyncio.wait_for(j.events.get(), 10))
+    return out
+
+
+def test_failed_step_fails_the_batch_and_the_engine_keeps_serving():
+    async def scenario():
+        shards = FlakyShards()
+        kv = KVManager(64, 4)
+        engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv))
+        loop = asyncio.create_task(engine.run())
+        shards.broken = True
+        victims = [job(5, 20), job(9, 20)]
+        for v in victims:
+            engine.submit(v)
+        for v in victims:
+            assert (await drain(v))[-1][0] == "error"
+        assert shards.cleared >= 1 and kv.pool.num_free == 64 and not engine.scheduler.running
+        shards.broken = False
+        fine = job(3, 4)
+        engine.submit(fine)
+        events = await drain(fine)
+        assert events[-1][0] == "end" and [e[1].id for e in events[:-1]] == [7, 7, 7, 7]
+        await asyncio.sleep(0.05)
+        assert kv.pool.num_free == 64
+        loop.cancel()
+
+    asyncio.run(scenario())
