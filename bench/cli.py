@@ -56,6 +56,18 @@ def resolved_model(model_id: str) -> str:
     return str(resolve_model(model_id))
 
 
+def local_model(model_id: str) -> Optional[str]:
+    """The server's model for the in-process runs, or None (said) when its name is not one this machine can
+    load, e.g. a --served-model-name: then --model-dir is needed."""
+    from launcher.model_files import ModelNotFoundError
+    try:
+        return resolved_model(model_id)
+    except ModelNotFoundError:
+        typer.echo(f"the server calls its model {model_id!r}, which names no local model: no baselines or ceiling "
+                   "(give --model-dir)", err=True)
+        return None
+
+
 def _rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -116,8 +128,8 @@ def main(
     raw_info, runs = run_server(url, reqs, plan, max_concurrency, progress,
                                 (port, dtype, extra, url, server_log) if launch else None)
     info = Info.model_validate(raw_info) if raw_info else None
-    if baseline or ceiling:  # in-process: the server's model, unless told otherwise
-        model_dir = model_dir or resolved_model(info.model_id if info else DEFAULTS.model_id)
+    model_dir = model_dir or (local_model(info.model_id if info else DEFAULTS.model_id) if baseline or ceiling else "")
+    baseline, ceiling = (baseline, ceiling) if model_dir else ([], False)  # in-process runs need a local model
     for name in baseline:
         runs += run_baseline(name, reqs, plan, info, model_dir, dtype, device, baseline_batch_size, progress)
     compare_runs(runs, plan.rates, reqs)

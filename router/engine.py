@@ -9,6 +9,7 @@ import logging
 from typing import Optional
 
 from router import metrics
+from router.core.request import State
 from router.core.scheduler import Scheduler
 from router.core.step import Outcome, Step
 from router.job import Job
@@ -155,14 +156,17 @@ class Engine:
 
     async def _fail_all(self, message: str) -> None:
         """A failed step poisons every running batch: fail the affected jobs (offloaded ones too: the shards
-        forget their state) and clear every shard."""
+        forget their state) and clear every shard. A request that had already finished keeps its result."""
         log.error("step failed: %s", message)
         self.last_step_failed = True
         s = self.scheduler
         for job in list(self.jobs.values()):
-            if job.request in s.running or job.request in s.offloaded:
+            req = job.request
+            if req.state is State.FINISHED and job.finish_reason is not None:
+                self._retire(job)
+            elif req.state is State.FINISHED or req in s.running or req in s.offloaded:
                 job.fail(message)
-                s.finish(job.request, "error")
+                s.finish(req, "error")
                 del self.jobs[job.id]
                 metrics.outcomes.labels("error").inc()
         self.to_filter = []
@@ -171,4 +175,3 @@ class Engine:
             await self.shards.clear()
         except ShardError as e:
             log.error("clearing the shards failed too: %s", e)
-

@@ -154,3 +154,5 @@ class Server:
 
     def run(self) -> None:
         self.server.run()
+        if not self.server.started:  # the lifespan failed (its reason is logged): not a clean stop
+            raise SystemExit(3)

@@ -85,5 +85,5 @@ def size_pools(sliding: list[bool], sliding_window: int, block_size: int, kv_hea
             fit = int(budget // (per_block + per_window_block))
         most_ever = max_batch_size * ceil_div(max_total_tokens, block_size)
         num_blocks = min(fit, most_ever or fit)
-    swap = min(swap_bytes // per_block, num_blocks) if num_blocks > 0 else 0
+    swap = min(swap_bytes // per_block, num_blocks) if num_blocks > 0 and per_block else 0
     return PoolSizes(num_blocks, min(most_window, num_blocks), swap, per_block, per_window_block)

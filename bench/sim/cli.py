@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 from bench.sim import scenarios
 from bench.sim.cost_model import CostModel, calibrate, read_trace
@@ -49,6 +50,17 @@ def scheduler_config(given: dict, info: Optional[Info], scenario: str) -> dict:
     values.update({k: getattr(info, k) for k in SCHEDULING} if info else SCENARIO_SETTINGS.get(scenario, {}))
     values.update({k: v for k, v in given.items() if v is not None})
     return simulation_args(values, info.num_swap_blocks if info else 0)
+
+
+def server_info(bench: dict, path: Optional[Path]) -> Optional[Info]:
+    if not bench.get("server_info"):
+        return None
+    try:
+        return Info.model_validate(bench["server_info"])
+    except ValidationError as e:
+        missing = ", ".join(str(err["loc"][0]) for err in e.errors())
+        raise typer.BadParameter(f"{path}: its server's /info lacks {missing} (an older cb-bench wrote it): run "
+                                 "cb-bench again, or give the scheduling flags by hand") from None
 
 
 def cost_model(scenario: str, replaying: bool, bench: dict, cost: Optional[Path], calibrate_from: Optional[Path],
@@ -114,7 +126,7 @@ def main(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ):
     bench = json.loads(from_bench.read_text()) if from_bench else {}
-    info = Info.model_validate(bench["server_info"]) if bench.get("server_info") else None
+    info = server_info(bench, from_bench)
     config = scheduler_config(settings, info, scenario)
     model = cost_model(scenario, replay_trace is not None, bench, cost, calibrate_from,
                        (step_ms, prefill_token_us, decode_us, kv_token_ns))

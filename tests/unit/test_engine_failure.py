@@ -74,3 +74,29 @@ def test_failed_step_fails_the_batch_and_the_engine_keeps_serving():
         loop.cancel()
 
     asyncio.run(scenario())
+
+
+class BrokenStream(Job):
+    """A job whose stream breaks while its last token is delivered (after the scheduler retired it)."""
+
+    def on_token(self, g, piece):
+        raise RuntimeError("the stream broke")
+
+
+def test_a_bug_after_the_outcome_is_applied_fails_the_requests_it_finished_and_leaks_nothing():
+    async def scenario():
+        shards = FlakyShards()
+        kv = KVManager(64, 4)
+        engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv))
+        loop = asyncio.create_task(engine.run())
+        broken = BrokenStream(Request([1, 2, 3], 1), pb.SamplingParameters(), Detokenizer(Tokenizer(), [], []),
+                              frozenset())
+        engine.submit(broken)
+        assert (await drain(broken))[-1] == ("error", "internal error: RuntimeError('the stream broke')")
+        assert not engine.jobs and kv.pool.num_free == 64
+        fine = job(3, 2)
+        engine.submit(fine)
+        assert (await drain(fine))[-1][0] == "end"
+        loop.cancel()
+
+    asyncio.run(scenario())
