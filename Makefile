@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install proto run test test-unit bench bench-memory clean
+.PHONY: install proto run test test-unit bench bench-memory profile clean
 
 install: $(VENV)/.installed proto/generate_pb2.py
 
@@ -41,6 +41,10 @@ bench-memory: install
 	$(BIN)/python -m bench.memory concurrency
 	$(BIN)/python -m bench.memory prefix
 	$(BIN)/python -m bench.memory offload
+
+# Where a shard's step time goes: decode at batch 1 and 64, a 512-token prefill, gRPC (see bench/profile.py).
+profile: install
+	$(BIN)/python -m bench.profile $(ARGS)
 
 clean:
 	rm -rf $(VENV) proto/*_pb2*.py

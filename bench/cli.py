@@ -33,11 +33,10 @@ BENCH_TOTAL_TOKENS = 32768  # `make bench`'s --max-batch-total-tokens: the basel
 def build_workload(name: str, path: Optional[Path], n: Optional[int], input_len: int, output_len: int,
                    range_ratio: float, seed: int, model_dir: Optional[str]) -> list[Req]:
     if name == "w64":
-        reqs = load_w64(path or DEFAULT_WORKLOAD)
-        return reqs[:n] if n else reqs
-    if name == "random":
-        return random_workload(n or 64, input_len, output_len, range_ratio, seed)
-    if name == "text":
+        reqs = load_w64(path or DEFAULT_WORKLOAD)[:n or None]
+    elif name == "random":
+        reqs = random_workload(n or 64, input_len, output_len, range_ratio, seed)
+    elif name == "text":
         if path is None:
             raise typer.BadParameter("--dataset-name text needs --dataset-path (one prompt per line)")
         tokenizer = None
@@ -46,8 +45,11 @@ def build_workload(name: str, path: Optional[Path], n: Optional[int], input_len:
             tokenizer = AutoTokenizer.from_pretrained(model_dir or resolved_model(DEFAULTS.model_id))
         except Exception as e:  # the server tokenizes anyway; lengths are then unknown here
             typer.echo(f"no local tokenizer ({e}); prompt lengths will show as 0", err=True)
-        return text_workload(path, output_len, n, tokenizer)
-    raise typer.BadParameter(f"unknown dataset {name!r}: w64, random or text")
+        reqs = text_workload(path, output_len, n, tokenizer)
+    else:
+        raise typer.BadParameter(f"unknown dataset {name!r}: w64, random or text")
+    typer.echo(f"workload: {name} {path or ''} ({describe(reqs)})")
+    return reqs
 
 
 def resolved_model(model_id: str) -> str:
@@ -85,6 +87,8 @@ def _outputs(json_out: Optional[Path], result_dir: Optional[Path]) -> tuple[Opti
 @app.command()
 def main(
     url: Optional[str] = typer.Option(None, help="Server URL (default http://127.0.0.1:PORT)."),
+    backend: str = typer.Option("tgi", help="tgi (/generate_stream) or openai (/v1/completions: llama.cpp, vLLM)."),
+    label: str = typer.Option("cb", help="What the server is called in the report."),
     port: int = typer.Option(DEFAULTS.port, help="Port, used for --launch and the default URL."),
     dataset_name: str = typer.Option("w64", help="w64 (exact), random, or text."),
     dataset_path: Optional[Path] = typer.Option(None, help="text: a file with one prompt per line."),
@@ -123,9 +127,8 @@ def main(
     path = dataset_path if dataset_name != "w64" else (dataset_path or workload)
     reqs = build_workload(dataset_name, path, num_prompts, random_input_len, random_output_len,
                           random_range_ratio, seed, model_dir)
-    typer.echo(f"workload: {dataset_name} {path or ''} ({describe(reqs)})")
     extra = shlex.split(launcher_args) + (["--trace-file", str(trace_file)] if launch and trace_file else [])
-    raw_info, runs = run_server(url, reqs, plan, max_concurrency, progress,
+    raw_info, runs = run_server(url, reqs, plan, max_concurrency, progress, backend, label,
                                 (port, dtype, extra, url, server_log) if launch else None)
     info = Info.model_validate(raw_info) if raw_info else None
     model_dir = model_dir or (local_model(info.model_id if info else DEFAULTS.model_id) if baseline or ceiling else "")
@@ -133,12 +136,11 @@ def main(
     for name in baseline:
         runs += run_baseline(name, reqs, plan, info, model_dir, dtype, device, baseline_batch_size, progress)
     compare_runs(runs, plan.rates, reqs)
-    config = {"rates": [_rate_label(r) for r in plan.rates], "arrival": arrival, "seed": seed,
-              "max_concurrency": max_concurrency, "dtype": dtype, "launcher_args": launcher_args}
-    result = {"url": url, "workload": str(path) if path else dataset_name, "dataset": dataset_name, "config": config,
+    result = {"url": url, "workload": str(path) if path else dataset_name, "dataset": dataset_name, "backend": backend,
+              "config": {**plan.config(), "max_concurrency": max_concurrency, "dtype": dtype,
+                         "launcher_args": launcher_args},
               "server_info": raw_info, "trace_file": str(trace_file) if trace_file else None,
-              "summary": runs[0]["summary"], "requests": runs[0]["requests"],
-              "runs": [{**r, "rate": _rate_label(r["rate"])} for r in runs]}
+              **plan.results(runs)}
     if ceiling:
         result["ceiling"] = measure_ceiling(model_dir, dtype, device)
     write_results(result, runs, plan.rates, json_out, result_dir, plot)
@@ -155,13 +157,17 @@ def report_mismatches(records: list[dict]) -> int:
 
 
 def run_server(url: str, reqs: list[Req], plan: "Plan", max_concurrency: Optional[int], progress: bool,
-               launch: Optional[tuple]) -> tuple[dict, list[dict]]:
-    """The server's /info and one run per rate; `launch`: launch_server's arguments, to start (and stop) one."""
+               backend: str, label: str, launch: Optional[tuple]) -> tuple[dict, list[dict]]:
+    """The server's /info (cb's) and one run per rate; `launch`: launch_server's arguments, to start (and stop)
+    one."""
+    if backend not in client.BACKENDS:
+        raise typer.BadParameter(f"--backend {backend!r}: one of {', '.join(client.BACKENDS)}")
     proc = launch_server(*launch) if launch else None
     try:
+        protocol = client.BACKENDS[backend](client.served_model(url) if backend == "openai" else None)
         return client.server_info(url), [
-            plan.run("cb", rate, *client.run(url, reqs, plan.arrivals(reqs, rate), max_concurrency, progress,
-                                             f"cb @ {_rate_label(rate)}")) for rate in plan.rates]
+            plan.run(label, rate, *client.run(url, reqs, plan.arrivals(reqs, rate), max_concurrency, progress,
+                                              f"{label} @ {_rate_label(rate)}", protocol)) for rate in plan.rates]
     finally:
         if proc is not None:
             stop_server(proc)  # frees the machine for the baselines and the ceiling
@@ -176,6 +182,15 @@ class Plan:
     burstiness: float
     percentiles: tuple
     slos: dict
+
+    def config(self) -> dict:
+        return {"rates": [_rate_label(r) for r in self.rates], "arrival": self.arrival, "seed": self.seed}
+
+    @staticmethod
+    def results(runs: list[dict]) -> dict:
+        """The first run's summary and records at the top (what cb-sim reads), every run below."""
+        return {"summary": runs[0]["summary"], "requests": runs[0]["requests"],
+                "runs": [{**r, "rate": _rate_label(r["rate"])} for r in runs]}
 
     def arrivals(self, reqs: list[Req], rate: float) -> list[float]:
         return arrival_times(len(reqs), rate, self.arrival, self.seed, self.burstiness)

@@ -1,5 +1,6 @@
-"""The load generator: sends a workload to a running server's /generate_stream at the given arrival offsets,
-under an optional concurrency cap, and timestamps every streamed token on arrival."""
+"""The load generator: sends a workload to a running server at the given arrival offsets, under an optional
+concurrency cap, and timestamps every streamed token on arrival. Two protocols: TGI's /generate_stream (cb) and
+OpenAI's streamed /v1/completions (cb, llama.cpp's llama-server, vLLM), so one client measures them all."""
 from __future__ import annotations
 
 import asyncio
@@ -14,13 +15,67 @@ from bench.stats import new_record
 from bench.workloads import Req
 
 
-def body(req: Req) -> dict:
-    return {"inputs": req.inputs,
-            "parameters": {"max_new_tokens": req.max_new_tokens, "ignore_eos": True, "details": True}}
+class TGI:
+    """TGI's /generate_stream: one event per token, the last one with `details`."""
+    path = "/generate_stream"
+
+    def __init__(self, model: Optional[str] = None):
+        self.model = model
+
+    def body(self, req: Req) -> dict:
+        return {"inputs": req.inputs,
+                "parameters": {"max_new_tokens": req.max_new_tokens, "ignore_eos": True, "details": True}}
+
+    def read(self, ev: dict, rec: dict) -> bool:
+        """Records what an event says; True when it carries a token."""
+        if ev.get("error") is not None:
+            rec["error"] = f"{ev.get('error_type') or 'stream'}: {ev['error']}"
+        elif ev.get("generated_text") is not None:
+            details = ev.get("details") or {}
+            rec["finish_reason"] = details.get("finish_reason")
+            rec["generated_tokens"] = details.get("generated_tokens")
+        return ev.get("token") is not None
+
+
+class OpenAI(TGI):
+    """OpenAI's streamed /v1/completions (cb, llama.cpp's llama-server, vLLM): a chunk per token, then one with the
+    finish reason; the token count comes from `usage`. Prompts go as token ids where the workload has them."""
+    path = "/v1/completions"
+
+    def body(self, req: Req) -> dict:
+        out = {"prompt": req.inputs, "max_tokens": req.max_new_tokens, "ignore_eos": True, "temperature": 0,
+               "stream": True, "stream_options": {"include_usage": True}}
+        return {"model": self.model, **out} if self.model else out
+
+    def read(self, ev: dict, rec: dict) -> bool:
+        if isinstance(ev.get("error"), dict):
+            rec["error"] = f"{ev['error'].get('code') or ev['error'].get('type')}: {ev['error'].get('message')}"
+        if ev.get("usage"):
+            rec["generated_tokens"] = ev["usage"].get("completion_tokens")
+        choice = (ev.get("choices") or [None])[0]
+        if choice is None:
+            return False
+        if choice.get("finish_reason"):
+            rec["finish_reason"] = choice["finish_reason"]
+            return False
+        return True
+
+
+BACKENDS = {"tgi": TGI, "openai": OpenAI}
+
+
+def _error(resp, raw: bytes) -> str:
+    try:
+        err = json.loads(raw)
+    except ValueError:
+        return f"HTTP {resp.status_code}: {raw[:200]!r}"
+    if isinstance(err.get("error"), dict):
+        return f"{err['error'].get('code') or resp.status_code}: {err['error'].get('message')}"
+    return f"{err.get('error_type') or resp.status_code}: {err.get('error')}"
 
 
 async def one_request(client: httpx.AsyncClient, url: str, req: Req, sem: asyncio.Semaphore,
-                      start_at: float, t_run: float) -> dict:
+                      start_at: float, t_run: float, backend: TGI) -> dict:
     """Waits for its arrival time and a concurrency slot, then streams; times are from its own send."""
     rec = new_record(req)
     delay = start_at - time.perf_counter()
@@ -31,34 +86,23 @@ async def one_request(client: httpx.AsyncClient, url: str, req: Req, sem: asynci
         rec["start"] = t0 - t_run
         last = None
         try:
-            async with client.stream("POST", f"{url}/generate_stream", json=body(req)) as resp:
+            async with client.stream("POST", url + backend.path, json=backend.body(req)) as resp:
                 if resp.status_code != 200:
-                    raw = await resp.aread()
-                    try:
-                        err = json.loads(raw)
-                        rec["error"] = f"{err.get('error_type') or resp.status_code}: {err.get('error')}"
-                    except ValueError:
-                        rec["error"] = f"HTTP {resp.status_code}: {raw[:200]!r}"
+                    rec["error"] = _error(resp, await resp.aread())
                 else:
                     async for line in resp.aiter_lines():
-                        if not line.startswith("data:"):
+                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                             continue
                         now = time.perf_counter()
-                        ev = json.loads(line[5:])
-                        if ev.get("error") is not None:
-                            rec["error"] = f"{ev.get('error_type') or 'stream'}: {ev['error']}"
-                            break
-                        if ev.get("token") is not None:
+                        if backend.read(json.loads(line[5:]), rec):
                             rec["tokens"] += 1
                             if last is None:
                                 rec["ttft"] = now - t0
                             else:
                                 rec["itl"].append(now - last)
                             last = now
-                        if ev.get("generated_text") is not None:
-                            details = ev.get("details") or {}
-                            rec["finish_reason"] = details.get("finish_reason")
-                            rec["generated_tokens"] = details.get("generated_tokens")
+                        if rec["error"] is not None:
+                            break
         except (httpx.HTTPError, ValueError) as e:
             rec["error"] = f"{type(e).__name__}: {e}"
         rec["e2e"] = time.perf_counter() - t0
@@ -66,8 +110,8 @@ async def one_request(client: httpx.AsyncClient, url: str, req: Req, sem: asynci
 
 
 async def replay(url: str, reqs: list[Req], arrivals: Optional[list[float]] = None,
-                 max_concurrency: Optional[int] = None, progress: bool = True,
-                 desc: str = "cb") -> tuple[list[dict], float]:
+                 max_concurrency: Optional[int] = None, progress: bool = True, desc: str = "cb",
+                 backend: Optional[TGI] = None) -> tuple[list[dict], float]:
     """Sends every request at its offset; wall time spans the first send to the last answer."""
     arrivals = arrivals or [0.0] * len(reqs)
     n = max_concurrency or len(reqs)
@@ -82,7 +126,7 @@ async def replay(url: str, reqs: list[Req], arrivals: Optional[list[float]] = No
         t_run = time.perf_counter()
 
         async def tracked(req: Req, offset: float) -> dict:
-            rec = await one_request(client, url, req, sem, t_run + offset, t_run)
+            rec = await one_request(client, url, req, sem, t_run + offset, t_run, backend or TGI())
             if bar is not None:
                 bar.update(1)
             return rec
@@ -94,12 +138,22 @@ async def replay(url: str, reqs: list[Req], arrivals: Optional[list[float]] = No
     return list(recs), wall
 
 
-def run(url: str, reqs: list[Req], arrivals=None, max_concurrency=None, progress=True, desc="cb"):
-    return asyncio.run(replay(url, reqs, arrivals, max_concurrency, progress, desc))
+def run(url: str, reqs: list[Req], arrivals=None, max_concurrency=None, progress=True, desc="cb", backend=None):
+    return asyncio.run(replay(url, reqs, arrivals, max_concurrency, progress, desc, backend))
 
 
 def server_info(url: str) -> dict:
+    """cb's /info ({} from servers that have none)."""
     try:
-        return httpx.get(f"{url}/info", timeout=10).json()
+        r = httpx.get(f"{url}/info", timeout=10)
+        return r.json() if r.status_code == 200 and "max_batch_size" in r.text else {}
     except (httpx.HTTPError, ValueError):
         return {}
+
+
+def served_model(url: str) -> Optional[str]:
+    """The first model an OpenAI-compatible server lists (vLLM refuses any other name)."""
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None

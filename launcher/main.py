@@ -25,10 +25,11 @@ def as_flags(**flags) -> list[str]:
 
 
 def shard_argv(settings: Settings, model_dir: Path, rank: int, socket: str) -> list[str]:
+    quantize = as_flags(quantize=settings.quantize) if settings.quantize else []
     return [sys.executable, "-m", "shard", *as_flags(
         model_dir=model_dir, rank=rank, world_size=settings.num_shard, uds=socket, master_addr="127.0.0.1",
         master_port=settings.master_port, dtype=settings.dtype, device=settings.device,
-        block_size=settings.block_size)]
+        block_size=settings.block_size), *quantize]
 
 
 @app.command()

@@ -94,7 +94,8 @@ async def start_engine(s: Settings, shards):
     trace = Trace(open(s.trace_file, "w") if s.trace_file else None)
     engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin), trace)
     return engine, Info(
-        model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device, num_shard=info.world_size,
+        model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device,
+        quantize=info.quantize or None, num_shard=info.world_size,
         max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens, max_batch_total_tokens=total,
         max_batch_prefill_tokens=s.max_batch_prefill_tokens, max_batch_size=s.max_batch_size,
         waiting_served_ratio=s.waiting_served_ratio, max_waiting_tokens=s.max_waiting_tokens,

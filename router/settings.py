@@ -65,6 +65,9 @@ class Settings:
     dtype: str = setting("bfloat16", "weights and KV cache; float32 is the exact mode the golden tests use",
                          choices=("bfloat16", "float16", "float32"))
     device: str = setting("auto", "where the shards run (auto: cuda when available)", choices=("auto", "cpu", "cuda"))
+    quantize: Optional[str] = setting(None, "int8: weight-only int8 linear layers (per output channel; "
+                                      "activations in --dtype): faster for a few requests at a time, slower for "
+                                      "large batches", choices=("int8",))
     master_port: int = setting(29500, "torch.distributed rendezvous port (with --num-shard > 1)")
     uds_dir: Optional[str] = setting(None, "folder for the shards' sockets (default: a fresh temporary folder)")
     graceful_timeout: float = setting(30.0, "seconds in-flight requests get to finish on shutdown", min=0.0)

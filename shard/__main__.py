@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Optional
 
 import typer
 
@@ -23,6 +24,7 @@ def main(
     dtype: str = typer.Option(...),
     device: str = typer.Option(...),
     block_size: int = typer.Option(...),
+    quantize: Optional[str] = typer.Option(None),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
@@ -38,11 +40,12 @@ def main(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if world_size > 1:
         init_process_group(rank, world_size, master_addr, master_port, dev)
-    loaded = model_lib.load(model_dir, dtype, dev, rank, world_size)
-    logging.getLogger("shard").info("loaded %s (%s, %s) on %s, %d KV heads on this rank",
-                                    model_dir, loaded.config.model_type, dtype, dev, loaded.kv_heads)
+    loaded = model_lib.load(model_dir, dtype, dev, rank, world_size, quantize)
+    logging.getLogger("shard").info("loaded %s (%s, %s%s) on %s, %d KV heads on this rank", model_dir,
+                                    loaded.config.model_type, dtype, f", {quantize} linears" if quantize else "",
+                                    dev, loaded.kv_heads)
     runner = Runner(loaded, dev, block_size, rank, world_size)
-    server = serve(ShardService(loaded, runner, world_size, dtype), uds)
+    server = serve(ShardService(loaded, runner, world_size, dtype, quantize), uds)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

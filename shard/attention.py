@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from shard.profiling import scope
+
 NAME = "cb_paged"
 
 
@@ -29,6 +31,7 @@ class Group:
     query_pos: torch.Tensor    # [B, Q] position of each query in its sequence
     kv_len: torch.Tensor       # [B] tokens visible to the request after this step
     key_start: torch.Tensor    # [B] position of the first key in the block table (0 but in the window pool)
+    dense: tuple[int, int] | None = None  # (first row, count) when the group is one query each, rows consecutive
 
     def mask(self, block_size: int, window: int | None) -> torch.Tensor:
         """[B, Q, K] bool: key j is visible to query i (causal, within kv_len, inside the window)."""
@@ -47,13 +50,30 @@ class PoolStep:
     slots: torch.Tensor        # [T] cache slot of each token in the ragged sequence
     groups: list[Group]
     block_size: int
-    _masks: dict
+    _masks: dict  # masks per (group, window) and gather buffers per (group, dtype), built once per step
 
     def mask(self, i: int, window: int | None) -> torch.Tensor:
         key = (i, window)
         if key not in self._masks:
             self._masks[key] = self.groups[i].mask(self.block_size, window).to(self.slots.device)
         return self._masks[key]
+
+    def gather(self, i: int, cache: torch.Tensor) -> torch.Tensor:
+        """Group i's blocks of one layer's keys or values [Hkv, blocks, block_size, D], as [Hkv, B, L, D]. Whole
+        blocks are copied (index_select over rows of block_size * D elements, several times faster than indexing
+        token by token) into a buffer the step reuses in every layer."""
+        grp = self.groups[i]
+        hkv, nb, bs, dim = cache.shape
+        b, width = grp.block_tables.shape
+        key = (i, cache.dtype)
+        if key not in self._masks:
+            self._masks[key] = [torch.empty(hkv, b * width, bs * dim, dtype=cache.dtype, device=cache.device)
+                                for _ in range(2)]
+        buffers = self._masks[key]
+        out = buffers.pop(0)
+        buffers.append(out)  # keys and values alternate between the two buffers
+        torch.index_select(cache.view(hkv, nb, bs * dim), 1, grp.block_tables.view(-1), out=out)
+        return out.view(hkv, b, width * bs, dim)
 
 
 @dataclass
@@ -73,46 +93,58 @@ def set_step(layout: StepLayout | None) -> None:
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]. The cache is head-major
-    ([Hkv, blocks, block_size, D]), so gathering a request's blocks yields contiguous [L, D] matrices per head."""
-    in_window, k_cache, v_cache = _current.cache[module.layer_idx]
+    """transformers' attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    out = attend(module.layer_idx, query[0], key[0], value[0], scaling, window)
+    return out.view(query.shape[2], query.shape[1], -1).unsqueeze(0), None
+
+
+def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
+    """Writes one layer's new keys and values to the cache, then attends through each request's block table.
+    query [H, T, D], key/value [Hkv, T, D] -> [T, H * D]. The cache is head-major ([Hkv, blocks, block_size, D]),
+    so gathering a request's blocks yields contiguous [L, D] matrices per head."""
+    in_window, k_cache, v_cache = _current.cache[layer]
     step = _current.window if in_window else _current.full
     hkv, nb, bs, dim = k_cache.shape
-    k_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, key[0].to(k_cache.dtype))
-    v_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, value[0].to(v_cache.dtype))
-
-    heads, tokens = query.shape[1], query.shape[2]
-    q = query[0].view(hkv, heads // hkv, tokens, dim)
+    with scope("attention::cache_write"):
+        k_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, key.to(k_cache.dtype))
+        v_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, value.to(v_cache.dtype))
+    heads, tokens = query.shape[0], query.shape[1]
+    q = query.view(hkv, heads // hkv, tokens, dim)
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else dim ** -0.5
-    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     for i, grp in enumerate(step.groups):
-        b, width = grp.block_tables.shape
-        kg = k_cache[:, grp.block_tables].view(hkv, b, width * bs, dim)
-        vg = v_cache[:, grp.block_tables].view(hkv, b, width * bs, dim)
-        attend = _decodes if grp.rows.shape[1] == 1 else _chunks
-        og = attend(q[:, :, grp.rows], kg, vg, step.mask(i, window), scale)
-        out[:, :, grp.rows[grp.valid]] = og[:, :, grp.valid]
-    return out.view(heads, tokens, dim).transpose(0, 1).unsqueeze(0), None
+        with scope("attention::gather"):
+            kg, vg = step.gather(i, k_cache), step.gather(i, v_cache)
+        with scope("attention::attend"):
+            if grp.dense is not None:  # decodes in consecutive rows: plain slices, no indexing
+                first, n = grp.dense
+                out[:, :, first:first + n] = _decodes(q[:, :, first:first + n], kg, vg, step.mask(i, window), scale)
+            elif grp.rows.shape[1] == 1:
+                out[:, :, grp.rows[:, 0]] = _decodes(q[:, :, grp.rows[:, 0]], kg, vg, step.mask(i, window), scale)
+            else:
+                og = _chunks(q[:, :, grp.rows], kg, vg, step.mask(i, window), scale)
+                out[:, :, grp.rows[grp.valid]] = og[:, :, grp.valid]
+    return out.view(heads, tokens, dim).transpose(0, 1).reshape(tokens, heads * dim)
 
 
 def _decodes(q, k, v, mask, scale):
     """One query per request: two batched matmuls and a float32 softmax (on CPU twice as fast as SDPA's
-    masked path). q [Hkv, G, B, 1, D], k/v [Hkv, B, L, D], mask [B, 1, L] -> [Hkv, G, B, 1, D]."""
-    qb = q[:, :, :, 0].transpose(1, 2)  # [Hkv, B, G, D]
+    masked path). q [Hkv, G, B, D], k/v [Hkv, B, L, D], mask [B, 1, L] -> [Hkv, G, B, D]."""
+    qb = q.transpose(1, 2).to(k.dtype)  # [Hkv, B, G, D]
     scores = torch.matmul(qb, k.transpose(-1, -2)).float().mul_(scale)
     scores.masked_fill_(~mask.unsqueeze(0), float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [Hkv, B, G, D]
-    return out.transpose(1, 2).unsqueeze(3)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def _chunks(q, k, v, mask, scale):
     """Prompt chunks: SDPA's fused kernel. q [Hkv, G, B, Q, D], k/v [Hkv, B, L, D], mask [B, Q, L]."""
     hkv, g, b, n_q, dim = q.shape
     qb = q.permute(2, 0, 1, 3, 4).reshape(b, hkv * g, n_q, dim)
-    out = F.scaled_dot_product_attention(qb, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask.unsqueeze(1),
-                                         scale=scale, enable_gqa=True)
-    return out.view(b, hkv, g, n_q, dim).permute(1, 2, 0, 3, 4)
+    out = F.scaled_dot_product_attention(qb.to(k.dtype), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
+    return out.view(b, hkv, g, n_q, dim).permute(1, 2, 0, 3, 4).to(q.dtype)
 
 
 AttentionInterface.register(NAME, paged_attention)

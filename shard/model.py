@@ -1,11 +1,17 @@
-"""Loads a transformers causal LM with its attention routed to the paged cache, sharded for this rank."""
+"""Loads a transformers causal LM with its attention routed to the paged cache, sharded for this rank, its
+linear layers quantized when asked (quantize.py)."""
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from shard import attention
+from shard.quantize import quantize_int8
 from shard.tensor_parallel import shard_model
+
+# ids [T], positions [T], rows to keep [K] -> logits [K, vocab]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,13 +25,23 @@ class LoadedModel:
     head_dim: int
     sliding_window: int  # 0 when no layer slides
     sliding: list[bool]  # per layer: attends within sliding_window (its KV lives in the window pool)
+    forward: Forward
+    dtype: torch.dtype  # of the KV cache
 
 
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int) -> LoadedModel:
+def forward_of(model) -> Forward:
+    def forward(ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=keep, use_cache=False)
+        return out.logits[0]
+    return forward
+
+
+def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int,
+         quantize: Optional[str] = None) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=DTYPES[dtype], attn_implementation=attention.NAME,
     )
@@ -38,5 +54,7 @@ def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     sliding = [t == "sliding_attention" and bool(cfg.sliding_window) for t in types]
-    return LoadedModel(model, cfg, cfg.num_hidden_layers, kv_heads, head_dim,
-                       cfg.sliding_window if any(sliding) else 0, sliding)
+    if quantize == "int8":
+        quantize_int8(model)
+    return LoadedModel(model, cfg, cfg.num_hidden_layers, kv_heads, head_dim, cfg.sliding_window if any(sliding)
+                       else 0, sliding, forward_of(model), DTYPES[dtype])

@@ -11,6 +11,7 @@ import torch
 from shard import attention, layout
 from shard.kv_cache import KVCache, ceil_div
 from shard.model import LoadedModel
+from shard.profiling import scope
 from shard.sampling import Params, sample
 from shard.step import Entry, Sampled, StepResult
 
@@ -40,7 +41,6 @@ class StepError(Exception):
 class Runner:
     def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int, rank: int, world: int):
         self.loaded = loaded
-        self.model = loaded.model
         self.device = device
         self.block_size = block_size
         self.rank = rank
@@ -52,7 +52,7 @@ class Runner:
         m = self.loaded
         self.cache = None  # the old pools are freed before the new ones are allocated
         self.cache = KVCache(m.sliding, num_blocks, num_window_blocks, self.block_size, m.kv_heads, m.head_dim,
-                             self.model.dtype, self.device)
+                             m.dtype, self.device)
 
     def rebind(self, request_id: int, blocks: list[int]) -> None:
         """Replaces a request's full-pool block table after an offload (no blocks) or a restore (its new
@@ -72,16 +72,25 @@ class Runner:
     @torch.inference_mode()
     def step(self, entries: list[Entry]) -> StepResult:
         """One forward over every entry's tokens, then sampling (rank 0 only)."""
-        states = [self._state(e) for e in entries]
-        ids, positions, keep, layout = self._batch(entries, states)
+        with scope("layout"):
+            states = [self._state(e) for e in entries]
+            ids, positions, keep, layout = self._batch(entries, states)
         start = time.perf_counter_ns()
         attention.set_step(layout)
         try:
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
-                             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
+            with scope("forward"):
+                logits = self.loaded.forward(ids, positions, torch.tensor(keep, dtype=torch.long, device=self.device))
         finally:
             attention.set_step(None)
-        logits = out.logits[0]
+        with scope("sample"):
+            prefill, sampled = self._collect(entries, states, logits, keep)
+            generations = self._sample(logits, sampled) if self.rank == 0 and sampled else []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(generations, prefill, time.perf_counter_ns() - start)
+
+    def _collect(self, entries: list[Entry], states: list[RequestState], logits: torch.Tensor, keep: list[int]):
+        """Prompt logprobs of the chunks that want them, the rows to sample from; every request moves on."""
         row_of = {k: i for i, k in enumerate(keep)}
         prefill, sampled, offset = [], [], 0
         for e, st in zip(entries, states):
@@ -95,13 +104,10 @@ class Runner:
             if st.params.penalized:
                 st.history.extend(e.input_ids)
             offset += n
-        generations = self._sample(logits, sampled) if self.rank == 0 and sampled else []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return StepResult(generations, prefill, time.perf_counter_ns() - start)
+        return prefill, sampled
 
     def _batch(self, entries: list[Entry], states: list[RequestState]):
-        """The ragged batch: token ids and positions [1, T], the rows whose logits are kept, the layout."""
+        """The ragged batch: token ids and positions [T], the rows whose logits are kept, the layout."""
         windowed = self.cache.window is not None
         ids, positions, slots, window_slots, keep = [], [], [], [], []
         decode, chunks = [], []
@@ -122,8 +128,7 @@ class Runner:
             offset += n
         step_layout = layout.build([g for g in (decode, chunks) if g], slots, window_slots if windowed else None,
                                    self.cache, self.block_size, self.device)
-        return (torch.cat(ids).unsqueeze(0).to(self.device), torch.cat(positions).unsqueeze(0).to(self.device),
-                keep, step_layout)
+        return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:
         picks = sample(logits[[r for _, _, r in sampled]], [st.params for _, st, _ in sampled],

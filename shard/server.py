@@ -5,6 +5,7 @@ import logging
 import os
 import time
 from concurrent import futures
+from typing import Optional
 
 import grpc
 import torch
@@ -22,11 +23,12 @@ log = logging.getLogger("shard")
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str):
+    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str, quantize: Optional[str] = None):
         self.loaded = loaded
         self.runner = runner
         self.world = world
         self.dtype = dtype
+        self.quantize = quantize
         self.swap: SwapPool | None = None
 
     def Info(self, request, context):
@@ -37,6 +39,7 @@ class ShardService(pb_grpc.ShardServicer):
             num_kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.config.vocab_size,
             max_position_embeddings=getattr(m.config, "max_position_embeddings", 0) or 0,
             sliding_window=m.sliding_window, num_window_layers=sum(m.sliding),
+            quantize=self.quantize or "",
         )
 
     def Health(self, request, context):
@@ -45,7 +48,7 @@ class ShardService(pb_grpc.ShardServicer):
     def Warmup(self, request, context):
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
-        sizes = size_pools(m.sliding, m.sliding_window, r.block_size, m.kv_heads, m.head_dim, m.model.dtype,
+        sizes = size_pools(m.sliding, m.sliding_window, r.block_size, m.kv_heads, m.head_dim, m.dtype,
                            r.device, self.world, num_blocks=request.num_blocks,
                            max_prefill_tokens=request.max_prefill_tokens, max_batch_size=request.max_batch_size,
                            max_total_tokens=request.max_total_tokens, memory_fraction=request.max_memory_fraction,

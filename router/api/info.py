@@ -11,6 +11,7 @@ class Info(BaseModel):
     model_id: str
     model_dtype: str
     model_device_type: str
+    quantize: Optional[str]  # "int8", or None: weights in model_dtype
     num_shard: int
     max_input_tokens: int
     max_total_tokens: int

@@ -42,6 +42,22 @@ def fake_server():
                 yield f"data:{json.dumps(ev)}\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        """llama-server's shape: a chunk per token, a last one with the finish reason and usage, [DONE]."""
+        n = body["max_tokens"]
+        if n > 100:
+            return JSONResponse({"error": {"message": "too many", "type": "invalid_request_error",
+                                           "code": "validation"}}, status_code=400)
+
+        async def chunks():
+            for _ in range(n):
+                await asyncio.sleep(0.001)
+                yield f"data: {json.dumps({'choices': [{'text': 'x', 'finish_reason': None}]})}\n\n"
+            last = {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": n}}
+            yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -53,12 +69,14 @@ def fake_server():
     thread.join(10)
 
 
-def test_client_against_a_fake_server(fake_server):
+@pytest.mark.parametrize("backend", sorted(client.BACKENDS))
+def test_client_against_a_fake_server(fake_server, backend):
     reqs = random_workload(5, 8, 6, 0.5, seed=1)
     reqs[4].max_new_tokens = 500
     recs, wall = client.run(fake_server, reqs, arrival_times(5, 50.0, "fixed"), max_concurrency=2,
-                                  progress=False)
+                            progress=False, backend=client.BACKENDS[backend]())
     assert [r["tokens"] for r in recs[:4]] == [r.max_new_tokens for r in reqs[:4]]
+    assert [r["generated_tokens"] for r in recs[:4]] == [r.max_new_tokens for r in reqs[:4]]
     assert all(len(r["itl"]) == r["tokens"] - 1 and r["ttft"] is not None for r in recs[:4])
     assert recs[4]["error"] == "validation: too many"
     assert [r["start"] for r in recs] == sorted(r["start"] for r in recs) and wall > 0

@@ -188,7 +188,8 @@ def test_cli_replay_and_sweep(tmp_path):
     sim = simulate_continuous(reqs, budget(64, 512, 4), 32, 16, CostModel(0.01, 1e-5), record=True)
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(d) + "\n" for d in sim.decisions))
-    info = Info(model_id="smollm2", model_dtype="float32", model_device_type="cpu", num_shard=1,
+    info = Info(model_id="smollm2", model_dtype="float32", model_device_type="cpu", quantize=None,
+                num_shard=1,
                 max_input_tokens=64, max_total_tokens=128, max_batch_total_tokens=512, max_batch_prefill_tokens=64,
                 max_batch_size=4, waiting_served_ratio=0.3, max_waiting_tokens=20, max_concurrent_requests=16,
                 block_size=16, num_blocks=32, num_swap_blocks=0, num_window_blocks=0, scheduler="fifo",
