@@ -31,6 +31,7 @@ def main(
     import torch
 
     from shard import model as model_lib
+    from shard.main_thread import MainThread
     from shard.runner import Runner
     from shard.server import ShardService, pick_device, serve
     from shard.tensor_parallel import init_process_group
@@ -45,11 +46,12 @@ def main(
                                     loaded.config.model_type, dtype, f", {quantize} linears" if quantize else "",
                                     dev, loaded.kv_heads)
     runner = Runner(loaded, dev, block_size, rank, world_size)
-    server = serve(ShardService(loaded, runner, world_size, dtype, quantize), uds)
+    main = MainThread()
+    server = serve(ShardService(loaded, runner, world_size, dtype, quantize, main), uds)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    main.run(stop)
     server.stop(grace=1).wait()
     if world_size > 1:
         torch.distributed.destroy_process_group()

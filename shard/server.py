@@ -13,6 +13,7 @@ import torch
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from shard.kv_cache import size_pools
+from shard.main_thread import MainThread, on_main_thread
 from shard.model import LoadedModel
 from shard.runner import Runner, StepError
 from shard.sampling import Params
@@ -23,7 +24,9 @@ log = logging.getLogger("shard")
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str, quantize: Optional[str] = None):
+    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str, quantize: Optional[str] = None,
+                 main: Optional[MainThread] = None):
+        self.main = main  # where torch runs (see main_thread.py); None: in the calling thread
         self.loaded = loaded
         self.runner = runner
         self.world = world
@@ -45,6 +48,7 @@ class ShardService(pb_grpc.ShardServicer):
     def Health(self, request, context):
         return pb.HealthResponse()
 
+    @on_main_thread
     def Warmup(self, request, context):
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
@@ -68,6 +72,7 @@ class ShardService(pb_grpc.ShardServicer):
         return pb.WarmupResponse(num_blocks=sizes.num_blocks, num_window_blocks=sizes.num_window_blocks,
                                  num_swap_blocks=sizes.num_swap_blocks)
 
+    @on_main_thread
     def _step(self, request, context):
         try:
             result = self.runner.step([step_entry(e) for e in request.entries])
@@ -83,14 +88,17 @@ class ShardService(pb_grpc.ShardServicer):
     Prefill = _step
     Decode = _step
 
+    @on_main_thread
     def FilterBatch(self, request, context):
         self.runner.filter(request.remove_ids)
         return pb.FilterBatchResponse()
 
+    @on_main_thread
     def ClearCache(self, request, context):
         self.runner.clear()
         return pb.ClearCacheResponse()
 
+    @on_main_thread
     def Offload(self, request, context):
         """Device -> host first (a freed block may be a restore's target), then host -> device, then the
         block tables of the requests involved."""
@@ -123,9 +131,8 @@ def step_entry(e: pb.StepEntry) -> Entry:
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:
-    """One worker thread: calls are strictly ordered, and torch's thread pool stays bound to one caller (a
-    second calling thread would start a second OpenMP team competing for the same cores). The socket is
-    created owner-only (umask), not chmodded after the fact."""
+    """One worker thread: calls are strictly ordered (their torch work goes on to the service's MainThread). The
+    socket is created owner-only (umask), not chmodded after the fact."""
     if os.path.exists(uds):
         os.unlink(uds)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=[
