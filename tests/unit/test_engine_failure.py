@@ -51,12 +51,16 @@ async def drain(j: Job) -> list:
     return out
 
 
+def start():
+    """A running engine over a 64-block pool and shards that fail on demand (inside an event loop)."""
+    shards, kv = FlakyShards(), KVManager(64, 4)
+    engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv))
+    return shards, kv, engine, asyncio.create_task(engine.run())
+
+
 def test_failed_step_fails_the_batch_and_the_engine_keeps_serving():
     async def scenario():
-        shards = FlakyShards()
-        kv = KVManager(64, 4)
-        engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv))
-        loop = asyncio.create_task(engine.run())
+        shards, kv, engine, loop = start()
         shards.broken = True
         victims = [job(5, 20), job(9, 20)]
         for v in victims:
@@ -85,10 +89,7 @@ class BrokenStream(Job):
 
 def test_a_bug_after_the_outcome_is_applied_fails_the_requests_it_finished_and_leaks_nothing():
     async def scenario():
-        shards = FlakyShards()
-        kv = KVManager(64, 4)
-        engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv))
-        loop = asyncio.create_task(engine.run())
+        shards, kv, engine, loop = start()
         broken = BrokenStream(Request([1, 2, 3], 1), pb.SamplingParameters(), Detokenizer(Tokenizer(), [], []),
                               frozenset())
         engine.submit(broken)
