@@ -47,7 +47,7 @@ def main(
                                     dev, loaded.kv_heads)
     runner = Runner(loaded, dev, block_size, rank, world_size)
     main = MainThread()
-    server = serve(ShardService(loaded, runner, world_size, dtype, quantize, main), uds)
+    server = serve(ShardService(loaded, runner, world_size, dtype, main), uds)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

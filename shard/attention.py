@@ -11,7 +11,7 @@ Hybrid models keep their sliding-window layers in a second pool (see kv_cache.py
 table that starts at some block of the sequence rather than its first: each pool has its own `PoolStep` (slots
 and block tables), and a group's keys start at `key_start` instead of position 0.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,8 @@ class PoolStep:
     slots: torch.Tensor        # [T] cache slot of each token in the ragged sequence
     groups: list[Group]
     block_size: int
-    _masks: dict  # masks per (group, window) and gather buffers per (group, dtype), built once per step
+    _masks: dict  # per (group, window), built once per step
+    _buffers: dict = field(default_factory=dict)  # gather buffers per (group, dtype), reused by every layer
 
     def mask(self, i: int, window: int | None) -> torch.Tensor:
         key = (i, window)
@@ -66,10 +67,10 @@ class PoolStep:
         hkv, nb, bs, dim = cache.shape
         b, width = grp.block_tables.shape
         key = (i, cache.dtype)
-        if key not in self._masks:
-            self._masks[key] = [torch.empty(hkv, b * width, bs * dim, dtype=cache.dtype, device=cache.device)
-                                for _ in range(2)]
-        buffers = self._masks[key]
+        if key not in self._buffers:
+            self._buffers[key] = [torch.empty(hkv, b * width, bs * dim, dtype=cache.dtype, device=cache.device)
+                                  for _ in range(2)]
+        buffers = self._buffers[key]
         out = buffers.pop(0)
         buffers.append(out)  # keys and values alternate between the two buffers
         torch.index_select(cache.view(hkv, nb, bs * dim), 1, grp.block_tables.view(-1), out=out)
@@ -117,11 +118,9 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
         with scope("attention::gather"):
             kg, vg = step.gather(i, k_cache), step.gather(i, v_cache)
         with scope("attention::attend"):
-            if grp.dense is not None:  # decodes in consecutive rows: plain slices, no indexing
-                first, n = grp.dense
-                out[:, :, first:first + n] = _decodes(q[:, :, first:first + n], kg, vg, step.mask(i, window), scale)
-            elif grp.rows.shape[1] == 1:
-                out[:, :, grp.rows[:, 0]] = _decodes(q[:, :, grp.rows[:, 0]], kg, vg, step.mask(i, window), scale)
+            if grp.rows.shape[1] == 1:  # decodes: consecutive rows are a plain slice, no indexing
+                rows = slice(grp.dense[0], grp.dense[0] + grp.dense[1]) if grp.dense else grp.rows[:, 0]
+                out[:, :, rows] = _decodes(q[:, :, rows], kg, vg, step.mask(i, window), scale)
             else:
                 og = _chunks(q[:, :, grp.rows], kg, vg, step.mask(i, window), scale)
                 out[:, :, grp.rows[grp.valid]] = og[:, :, grp.valid]

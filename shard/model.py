@@ -27,6 +27,7 @@ class LoadedModel:
     sliding: list[bool]  # per layer: attends within sliding_window (its KV lives in the window pool)
     forward: Forward
     dtype: torch.dtype  # of the KV cache
+    quantize: Optional[str]  # None or "int8" (quantize.py)
 
 
 def text_config(config):
@@ -57,4 +58,4 @@ def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int
     if quantize == "int8":
         quantize_int8(model)
     return LoadedModel(model, cfg, cfg.num_hidden_layers, kv_heads, head_dim, cfg.sliding_window if any(sliding)
-                       else 0, sliding, forward_of(model), DTYPES[dtype])
+                       else 0, sliding, forward_of(model), DTYPES[dtype], quantize)

@@ -24,14 +24,13 @@ log = logging.getLogger("shard")
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str, quantize: Optional[str] = None,
+    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str,
                  main: Optional[MainThread] = None):
         self.main = main  # where torch runs (see main_thread.py); None: in the calling thread
         self.loaded = loaded
         self.runner = runner
         self.world = world
         self.dtype = dtype
-        self.quantize = quantize
         self.swap: SwapPool | None = None
 
     def Info(self, request, context):
@@ -42,7 +41,7 @@ class ShardService(pb_grpc.ShardServicer):
             num_kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.config.vocab_size,
             max_position_embeddings=getattr(m.config, "max_position_embeddings", 0) or 0,
             sliding_window=m.sliding_window, num_window_layers=sum(m.sliding),
-            quantize=self.quantize or "",
+            quantize=m.quantize or "",
         )
 
     def Health(self, request, context):

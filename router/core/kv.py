@@ -180,10 +180,11 @@ class KVManager:
         return 1 << 62 if self.window is None else self.window.room(req, start, free)
 
     def _name_full_blocks(self, req: Request, computed: int) -> None:
+        if not self.prefix_caching:  # names serve only lookups (and re-naming restored blocks)
+            return
         bs = self.block_size
         while len(req.hashes) < min(computed // bs, len(req.blocks)):
             i = len(req.hashes)
             name = chain_hash(req.hashes[-1] if req.hashes else None, req.tokens[i * bs:(i + 1) * bs])
-            if self.prefix_caching:
-                self.pool.name(req.blocks[i], name)
+            self.pool.name(req.blocks[i], name)
             req.hashes.append(name)
