@@ -2,10 +2,16 @@
 
 A sampled token's generator is seeded from (request seed, position), so the same seed gives the same text
 whatever else shares the batch and even after the request was preempted and recomputed.
+
+Sampling is total: no parameter the router accepts can make it raise (a raise fails every request in the
+batch). A temperature below GREEDY_BELOW is greedy, NaN logits count as impossible and infinite ones as the
+largest float, and a row left with no possible token falls back to its argmax.
 """
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5  # vLLM's epsilon (router/api/validation.py uses the same): dividing by less overflows
 
 
 @dataclass
@@ -22,7 +28,7 @@ class Params:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample
+        return not self.do_sample or not self.temperature >= GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -43,8 +49,8 @@ def apply_penalties(logits: torch.Tensor, history: torch.Tensor, p: Params) -> t
 
 def warp(logits: torch.Tensor, p: Params) -> torch.Tensor:
     """Temperature, top-k, top-p and typical-p, in HF's order, on one row of float32 logits."""
-    logits = logits / p.temperature
-    if p.top_k:
+    logits = finite(logits / p.temperature)
+    if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
@@ -63,6 +69,22 @@ def warp(logits: torch.Tensor, p: Params) -> torch.Tensor:
     return logits
 
 
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN → -inf (impossible), +inf → the largest float: log_softmax of a row then has no NaN unless every
+    token is impossible."""
+    return logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+
+
+def penalize(logits: torch.Tensor, params: list[Params], histories: list) -> torch.Tensor:
+    """Penalties on the rows that ask for them; a penalty that would leave no token possible is ignored."""
+    for i, p in enumerate(params):
+        if p.penalized:
+            row = finite(apply_penalties(logits[i], histories[i], p))
+            if bool(row.isfinite().any()):
+                logits[i] = row
+    return logits
+
+
 def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
     gen = torch.Generator(device=logprobs.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
     return int(torch.multinomial(logprobs.exp(), 1, generator=gen))
@@ -71,23 +93,21 @@ def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
 def sample(logits: torch.Tensor, params: list[Params], histories: list, positions: list[int]):
     """logits [S, V] -> list of (token, logprob, [(top token, logprob)]); logprobs are those of the
     distribution the token was drawn from (after penalties and warpers)."""
-    logits = logits.float()
-    for i, p in enumerate(params):
-        if p.penalized:
-            logits[i] = apply_penalties(logits[i], histories[i], p)
+    logits = penalize(finite(logits.float()), params, histories)
     logprobs = logits.log_softmax(-1)
     greedy = logits.argmax(-1)
     out = []
     for i, p in enumerate(params):
         row = logprobs[i]
-        if p.greedy:
-            token = int(greedy[i])
-        else:
-            row = warp(logits[i], p).log_softmax(-1)
-            token = sample_one(row, p, positions[i])
+        token = int(greedy[i])
+        if not p.greedy:
+            warped = finite(warp(logits[i], p)).log_softmax(-1)
+            if bool(warped.isfinite().any()):  # else every token was masked: the row's argmax
+                row = warped
+                token = sample_one(row, p, positions[i])
         top = []
         if p.top_n_tokens:
-            values, indices = torch.topk(row, p.top_n_tokens)
+            values, indices = torch.topk(row, min(p.top_n_tokens, row.shape[-1]))
             top = list(zip(indices.tolist(), values.tolist()))
         out.append((token, float(row[token]), top))
     return out
