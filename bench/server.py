@@ -18,11 +18,8 @@ def free_port() -> int:
 
 
 def launch_server(port: int, dtype: str, extra: list[str], url: str, log_path=None) -> subprocess.Popen:
-    """Start `python -m launcher` and block until /health answers 200 (or the process dies). A free
-    --master-port is chosen unless given, so it never collides with another server on the machine; the
-    server's own log goes to `log_path` when given."""
-    if not any(a.startswith("--master-port") for a in extra):
-        extra = [*extra, "--master-port", str(free_port())]
+    """Start `python -m launcher` and block until /health answers 200 (or the process dies). The server's own log
+    goes to `log_path` when given."""
     cmd = [sys.executable, "-m", "launcher", "--port", str(port), "--dtype", dtype, *extra]
     print(f"launching: {shlex.join(cmd)}" + (f"  (log: {log_path})" if log_path else ""), file=sys.stderr)
     out = open(log_path, "w") if log_path else None

@@ -24,12 +24,13 @@ def as_flags(**flags) -> list[str]:
     return [arg for name, value in flags.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
-def shard_argv(settings: Settings, model_dir: Path, rank: int, socket: str) -> list[str]:
+def shard_argv(settings: Settings, model_dir: Path, rank: int, socket: str, rendezvous: Path) -> list[str]:
+    """`rendezvous`: the file torch.distributed's ranks meet through, beside the sockets, so no port is opened
+    for it."""
     quantize = as_flags(quantize=settings.quantize) if settings.quantize else []
     return [sys.executable, "-m", "shard", *as_flags(
-        model_dir=model_dir, rank=rank, world_size=settings.num_shard, uds=socket, master_addr="127.0.0.1",
-        master_port=settings.master_port, dtype=settings.dtype, device=settings.device,
-        block_size=settings.block_size), *quantize]
+        model_dir=model_dir, rank=rank, world_size=settings.num_shard, uds=socket, rendezvous=rendezvous,
+        dtype=settings.dtype, device=settings.device, block_size=settings.block_size), *quantize]
 
 
 @app.command()
@@ -45,7 +46,10 @@ def main(settings: Settings):
     uds_dir = Path(tempfile.mkdtemp(prefix="cb-")) if own_uds_dir else Path(settings.uds_dir)
     uds_dir.mkdir(parents=True, exist_ok=True)
     sockets = [str(uds_dir / f"shard-{rank}.sock") for rank in range(settings.num_shard)]
-    shard_argvs = [shard_argv(settings, model_dir, rank, sockets[rank]) for rank in range(settings.num_shard)]
+    rendezvous = uds_dir / "rendezvous"
+    rendezvous.unlink(missing_ok=True)  # a crashed run's store would mislead this run's ranks
+    shard_argvs = [shard_argv(settings, model_dir, rank, sockets[rank], rendezvous)
+                   for rank in range(settings.num_shard)]
     router_argv = [sys.executable, "-m", "router", *as_flags(model_dir=model_dir, uds=",".join(sockets))]
     log("launcher", f"starting {settings.num_shard} shard(s) from {model_dir} ({settings.dtype}, "
                     f"device {settings.device})")
@@ -57,6 +61,6 @@ def main(settings: Settings):
         if own_uds_dir:
             shutil.rmtree(uds_dir, ignore_errors=True)
         else:
-            for path in sockets:
+            for path in [*sockets, rendezvous]:
                 Path(path).unlink(missing_ok=True)
     raise typer.Exit(code)

@@ -68,8 +68,8 @@ class Settings:
     quantize: Optional[str] = setting(None, "int8: weight-only int8 linear layers (per output channel; "
                                       "activations in --dtype): faster for a few requests at a time, slower for "
                                       "large batches", choices=("int8",))
-    master_port: int = setting(29500, "torch.distributed rendezvous port (with --num-shard > 1)")
-    uds_dir: Optional[str] = setting(None, "folder for the shards' sockets (default: a fresh temporary folder)")
+    uds_dir: Optional[str] = setting(None, "folder for the shards' sockets and the file their torch.distributed "
+                                     "ranks meet through (default: a fresh temporary folder)")
     graceful_timeout: float = setting(30.0, "seconds in-flight requests get to finish on shutdown", min=0.0)
     api_key: Optional[str] = setting(None, "require `Authorization: Bearer KEY` on every route but /health, "
                                      "/metrics and /info")

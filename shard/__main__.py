@@ -19,8 +19,7 @@ def main(
     uds: str = typer.Option(..., help="unix socket path to serve on"),
     rank: int = typer.Option(...),
     world_size: int = typer.Option(...),
-    master_addr: str = typer.Option(...),
-    master_port: int = typer.Option(...),
+    rendezvous: str = typer.Option(..., help="file the ranks meet through (torch.distributed's FileStore)"),
     dtype: str = typer.Option(...),
     device: str = typer.Option(...),
     block_size: int = typer.Option(...),
@@ -40,7 +39,7 @@ def main(
     if dev.type == "cpu" and world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if world_size > 1:
-        init_process_group(rank, world_size, master_addr, master_port, dev)
+        init_process_group(rank, world_size, rendezvous, dev)
     loaded = model_lib.load(model_dir, dtype, dev, rank, world_size, quantize)
     logging.getLogger("shard").info("loaded %s (%s, %s%s) on %s, %d KV heads on this rank", model_dir,
                                     loaded.config.model_type, dtype, f", {quantize} linears" if quantize else "",

@@ -36,7 +36,7 @@ class Server:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"cb-test-{self.port}.log"
         self.log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "launcher", "--model-id", model_id, "--port", str(self.port),
-               "--dtype", "float32", "--master-port", str(free_port()), *args]
+               "--dtype", "float32", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()
