@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from launcher.checks import LaunchError, check_launch
 from launcher.children import log
 from launcher.model_files import ModelNotFoundError, resolve_model
 from launcher.readiness import router_url
@@ -39,7 +40,8 @@ def main(settings: Settings):
     """Serves --model-id over HTTP with continuous batching across --num-shard shard processes."""
     try:
         model_dir = resolve_model(settings.model_id)
-    except ModelNotFoundError as error:
+        check_launch(settings, model_dir)
+    except (ModelNotFoundError, LaunchError) as error:
         log("launcher", f"error: {error}")
         raise typer.Exit(2) from None
     own_uds_dir = settings.uds_dir is None

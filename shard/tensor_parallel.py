@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shard.split_rule import SplitWidths, check_shard_count
+
 LOOPBACK = "lo"  # Linux's loopback interface
 
 
@@ -33,13 +35,6 @@ def _keep_rows(linear: nn.Linear, start: int, end: int) -> None:
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.data[start:end].clone(), requires_grad=False)
     linear.out_features = end - start
-
-
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int, world: int) -> None:
-    if num_heads % world or intermediate % world:
-        raise ValueError(f"{num_heads} attention heads / MLP width {intermediate} do not split over {world} shards")
-    if num_kv_heads % world and world % num_kv_heads:
-        raise ValueError(f"{num_kv_heads} KV heads can neither be split nor replicated over {world} shards")
 
 
 def shard_attention(attn: nn.Module, num_heads: int, num_kv_heads: int, rank: int, world: int) -> int:
@@ -70,7 +65,7 @@ def shard_model(model: nn.Module, rank: int, world: int) -> int:
     """Shards every decoder layer; returns the KV heads per rank."""
     cfg = model.config
     heads, kv_heads, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-    check_divisible(heads, kv_heads, inter, world)
+    check_shard_count(SplitWidths(heads, kv_heads, inter), world, cfg.model_type)
     local_kv = kv_heads
     for layer in model.model.layers:
         local_kv = shard_attention(layer.self_attn, heads, kv_heads, rank, world)

@@ -1,0 +1,29 @@
+"""What the launcher refuses before it spawns anything: mistakes that would otherwise surface only after every
+shard has loaded, buried in a child's traceback. Each rule is the one its process applies (imported from it, not
+restated): the shards' split rule."""
+import json
+from pathlib import Path
+
+from router.settings import Settings
+from shard.split_rule import SplitWidths, check_shard_count
+
+
+class LaunchError(Exception):
+    """The settings cannot work with this model; the message says what to change."""
+
+
+def check_launch(settings: Settings, model_dir: Path) -> None:
+    try:
+        if settings.num_shard > 1:
+            check_shard_count(split_widths(model_dir, settings), settings.num_shard, settings.model_id)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+
+
+def split_widths(model_dir: Path, settings: Settings) -> SplitWidths:
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        return SplitWidths.of(config)
+    except KeyError as missing:
+        raise LaunchError(f"--num-shard {settings.num_shard} cannot split {settings.model_id}: its config.json has "
+                          f"no {missing} (tensor parallelism splits Llama-style decoders)") from None
