@@ -1,9 +1,10 @@
 """What the launcher refuses before it spawns anything: mistakes that would otherwise surface only after every
 shard has loaded, buried in a child's traceback. Each rule is the one its process applies (imported from it, not
-restated): the shards' split rule."""
+restated): the shards' split rule, the router's reading of the API key."""
 import json
 from pathlib import Path
 
+from router.server import api_key
 from router.settings import Settings
 from shard.split_rule import SplitWidths, check_shard_count
 
@@ -14,6 +15,7 @@ class LaunchError(Exception):
 
 def check_launch(settings: Settings, model_dir: Path) -> None:
     try:
+        api_key(settings)
         if settings.num_shard > 1:
             check_shard_count(split_widths(model_dir, settings), settings.num_shard, settings.model_id)
     except ValueError as error:

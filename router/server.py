@@ -5,6 +5,8 @@ import contextlib
 import logging
 import os
 import signal
+from pathlib import Path
+from typing import Optional
 
 from router.settings import Settings
 
@@ -18,12 +20,30 @@ def serve(settings: Settings, model_dir: str, sockets: list[str]) -> None:
 
     from router.api.guards import Guards
 
+    key = api_key(settings)
     svc = service(settings, model_dir)
     app = http_app(settings, svc, sockets)
-    config = uvicorn.Config(Guards(app, settings.api_key, settings.payload_limit), host=settings.hostname,
+    config = uvicorn.Config(Guards(app, key, settings.payload_limit), host=settings.hostname,
                             port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=settings.graceful_timeout)
     Server(config, svc).run()
+
+
+def api_key(settings: Settings) -> Optional[str]:
+    """--api-key, or what --api-key-file holds: read here, at start-up, so a key kept in a file (a mounted secret)
+    never enters an environment or a command line. ValueError when both are given, or the file is unreadable or
+    empty (an empty key would silently leave every route open)."""
+    if settings.api_key_file is None:
+        return settings.api_key
+    if settings.api_key is not None:
+        raise ValueError("--api-key and --api-key-file (API_KEY, API_KEY_FILE) are both given: keep one")
+    try:
+        key = Path(settings.api_key_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--api-key-file {settings.api_key_file}: cannot read it ({error})") from None
+    if not key:
+        raise ValueError(f"--api-key-file {settings.api_key_file} is empty")
+    return key
 
 
 def service(settings: Settings, model_dir: str):

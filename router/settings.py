@@ -73,6 +73,8 @@ class Settings:
     graceful_timeout: float = setting(30.0, "seconds in-flight requests get to finish on shutdown", min=0.0)
     api_key: Optional[str] = setting(None, "require `Authorization: Bearer KEY` on every route but /health, "
                                      "/metrics and /info")
+    api_key_file: Optional[str] = setting(None, "read --api-key from this file instead (its content, less "
+                                          "surrounding whitespace; the router reads it at start-up)")
     payload_limit: int = setting(2_000_000, "largest request body, in bytes (413 beyond)", min=1)
     max_stop_sequences: int = setting(4, "stop sequences per request", min=0)
     max_top_n_tokens: int = setting(5, "alternatives per token (top_n_tokens, logprobs)", min=0)

@@ -5,15 +5,16 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
-from conftest import REPO
+from conftest import REPO, Server
 from shard.split_rule import ShardCountError, SplitWidths, check_shard_count
 
 
 def launch(*args: str, **env: str) -> tuple[int, list[str], float]:
     """Runs the launcher to its end: exit code, output lines, seconds."""
-    inherited = {k: v for k, v in os.environ.items() if k != "NUM_SHARD"}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "API_KEY_FILE", "NUM_SHARD")}
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True,
                          timeout=60, env={**inherited, "HF_HUB_OFFLINE": "1", **env})
@@ -36,3 +37,31 @@ def test_a_shard_count_that_cannot_split_the_model_fails_at_once(model_dir):
     assert lines == ["[launcher] error: --num-shard 2 cannot split smollm2 (9 attention heads, 3 KV heads, "
                      "MLP width 1536): use 1 or 3"]
     assert seconds < 15
+
+
+def test_an_api_key_file_that_cannot_be_used_fails_at_once(model_dir, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    (tmp_path / "empty").write_text(" \n")
+    refused = {("--api-key-file", str(tmp_path / "missing")): "cannot read it",
+               ("--api-key-file", str(tmp_path / "empty")): "is empty",
+               ("--api-key", "other", "--api-key-file", str(key)): "both given"}
+    for args, reason in refused.items():
+        code, lines, seconds = launch(*args)
+        assert code == 2 and len(lines) == 1 and reason in lines[0] and seconds < 15, (args, lines)
+    code, lines, _ = launch("--api-key-file", str(key), API_KEY="other")
+    assert code == 2 and "both given" in lines[0], lines
+
+
+def test_the_router_guards_every_route_with_the_key_from_the_file(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    s = Server("--max-batch-total-tokens", "2048", "--max-total-tokens", "1024", "--api-key-file", str(key))
+    try:
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
+        assert httpx.post(s.url + "/generate", json=body, timeout=60).status_code == 401
+        ok = httpx.post(s.url + "/generate", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert not any("s3cret" in arg for arg in s.proc.args)
+    finally:
+        assert s.stop() == 0

@@ -7,6 +7,7 @@ import typer
 from typer.testing import CliRunner
 
 from launcher.main import app as launcher_app
+from router.server import api_key
 from router.settings import ENV, Settings, settings_command
 
 
@@ -63,3 +64,27 @@ def test_the_router_receives_exactly_what_the_launcher_settled_on(monkeypatch):
     assert Settings.from_env() == chosen and Settings.from_env().model_name == "m"
     monkeypatch.delenv(ENV)
     assert Settings.from_env() == Settings() and Settings().model_name == "smollm2"
+
+
+def test_the_api_key_comes_from_the_flag_its_variable_or_a_file(tmp_path):
+    app, seen = recorder()
+    assert CliRunner().invoke(app, [], env={"API_KEY": "a"}).exit_code == 0
+    assert api_key(seen["settings"]) == "a"
+    path = tmp_path / "key"
+    path.write_text("  from-file\n")
+    assert CliRunner().invoke(app, [], env={"API_KEY_FILE": str(path)}).exit_code == 0
+    assert seen["settings"].api_key is None and api_key(seen["settings"]) == "from-file"
+    assert api_key(Settings()) is None
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(api_key="a", api_key_file="key"), "both given"),
+    (dict(api_key_file="missing"), "cannot read it"),
+    (dict(api_key_file="empty"), "is empty"),  # an empty key would leave every route open
+])
+def test_an_api_key_file_that_cannot_be_used_is_refused(tmp_path, settings, reason):
+    (tmp_path / "key").write_text("k")
+    (tmp_path / "empty").write_text("\n")
+    settings["api_key_file"] = str(tmp_path / settings["api_key_file"])
+    with pytest.raises(ValueError, match=reason):
+        api_key(Settings(**settings))
