@@ -1,5 +1,6 @@
 """Every error a client sees, built in one place: TGI's shape `{"error", "error_type"}` on TGI's routes, OpenAI's
 `{"error": {"message", "type", "param", "code"}}` under /v1/."""
+import re
 from typing import Optional
 
 from fastapi import FastAPI
@@ -37,12 +38,24 @@ def error_response(path: str, status: int, message: str, kind: str, param: Optio
     return JSONResponse(error_body(is_openai(path), status, message, kind, param), status_code=status)
 
 
+PYDANTIC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def field_path(loc) -> str:
+    """A pydantic error's location as the client wrote it: `messages.0.content`, without "body" and the union
+    branches pydantic names ("str", "list[int]", "function-after[...]")."""
+    return ".".join(str(x) for x in loc if isinstance(x, int)
+                    or (x != "body" and x not in PYDANTIC_TAGS and re.fullmatch(r"\w+", x)))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request, exc: RequestValidationError):
+        """The most telling error: a value refused for what it is (NaN, a lone surrogate) before a union's type
+        mismatches."""
         metrics.outcomes.labels("validation").inc()
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        first = min(exc.errors(), key=lambda e: str(e.get("type", "")).endswith("_type"), default={})
+        where = field_path(first.get("loc", ()))
         message = f"{where}: {first.get('msg', 'invalid request')}".lstrip(": ")
         return error_response(request.url.path, 422, message, "validation", where or None)
 
@@ -54,3 +67,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request, exc: APIError):
         return error_response(request.url.path, exc.status, exc.message, exc.kind, exc.param)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, exc: Exception):
+        """A bug still answers in the route's shape (Starlette logs the traceback after this response)."""
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}", "internal")

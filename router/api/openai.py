@@ -6,7 +6,9 @@ here: the request fields (temperature 0 is greedy, the default 1.0 samples, as i
 stop sequences cut from the text, logprobs in OpenAI's two shapes, usage, and the SSE chunks ending with
 `data: [DONE]`.
 """
+import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Callable, Optional
@@ -15,8 +17,9 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from router.api.errors import APIError, error_body
-from router.api.openai_schemas import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, chat_prompt,
-                                       completion_prompt, invalid, max_top_logprobs, to_parameters)
+from router.api.openai_schemas import (DEFAULT_COMPLETION_TOKENS, FINISH_REASONS, ChatCompletionRequest,
+                                       CompletionRequest, chat_prompt, check_top_logprobs, completion_prompt, invalid,
+                                       max_top_logprobs, to_parameters)
 from router.api.openai_text import TextStream, Vocab, chat_logprobs, completion_logprobs, cut_at_stop, usage
 from router.api.service import Service
 from router.api.validation import GenerateRequest, Parameters
@@ -53,14 +56,17 @@ class OpenAIRoutes:
         return {"id": f"{prefix}-{job.id}-{uuid.uuid4().hex[:12]}", "object": kind, "created": int(time.time()),
                 "model": self.svc.model_name, "system_fingerprint": f"cb-{version}"}
 
-    async def start(self, inputs, parameters: Parameters, prompt_field: str) -> Job:
-        """svc.start, with TGI's field names in validation messages renamed to this API's."""
+    async def start(self, inputs, parameters: Parameters, prompt_field: str, tokens_field: str = "max_tokens") -> Job:
+        """svc.start, with TGI's field names in validation messages renamed to this API's, and the first field
+        a message names as its `param`."""
         try:
             return await self.svc.start(GenerateRequest(inputs=inputs, parameters=parameters))
         except APIError as e:
             if e.kind == "validation":
-                for tgi, ours in (("`max_new_tokens`", "`max_tokens`"), ("`inputs`", f"`{prompt_field}`")):
+                for tgi, ours in (("`max_new_tokens`", f"`{tokens_field}`"), ("`inputs`", f"`{prompt_field}`")):
                     e.message = e.message.replace(tgi, ours)
+                named = re.search(r"`(\w+)`", e.message)
+                e.param = e.param or (named.group(1) if named else None)
             raise
 
     async def run(self, job: Job, http: HttpRequest) -> None:
@@ -95,15 +101,14 @@ class OpenAIRoutes:
         return JSONResponse({**self.head(job, prefix, kind), "choices": [choice], "usage": usage(job)})
 
     async def chat(self, req: ChatCompletionRequest, http: HttpRequest):
-        if req.top_logprobs is not None:
-            if not 0 <= req.top_logprobs <= (most := max_top_logprobs(self.svc, "chat")):
-                raise invalid(f"`top_logprobs` must be in [0, {most}]", "top_logprobs")
-            if req.top_logprobs and not req.logprobs:
-                raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+        check_top_logprobs(req.top_logprobs, max_top_logprobs(self.svc, "chat"), "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = to_parameters(req, max_tokens, top_n)
-        job = await self.start(chat_prompt(self.svc, req), params, "messages")
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = to_parameters(req, getattr(req, field), top_n, field)
+        # the chat template tokenizes: a long conversation must not stall the batching loop
+        job = await self.start(await asyncio.to_thread(chat_prompt, self.svc, req), params, "messages", field)
         if req.stream:
             def chunk(delta: str, tokens: list[Token], finish: Optional[str]) -> dict:
                 return {"index": 0, "delta": {"content": delta} if delta or not finish else {},
@@ -121,10 +126,10 @@ class OpenAIRoutes:
         return self.respond(job, "chatcmpl", "chat.completion", {"index": 0, "message": message, "logprobs": logprobs})
 
     async def completions(self, req: CompletionRequest, http: HttpRequest):
-        if req.logprobs is not None and not 0 <= req.logprobs <= (most := max_top_logprobs(self.svc, "completions")):
-            raise invalid(f"`logprobs` must be in [0, {most}]", "logprobs")
+        check_top_logprobs(req.logprobs, max_top_logprobs(self.svc, "completions"), "logprobs")
         top_n = req.logprobs or 0
-        params = to_parameters(req, req.max_tokens, top_n)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        params = to_parameters(req, max_tokens, top_n)
         prompt = completion_prompt(req)
         job = await self.start(prompt, params, "prompt")
         echo = (prompt if isinstance(prompt, str) else self.svc.tokenizer.decode(prompt)) if req.echo else ""

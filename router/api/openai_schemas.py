@@ -1,14 +1,15 @@
 """OpenAI's request shapes and errors, and how a request becomes a TGI-shaped `Parameters` and prompt."""
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from router.api.errors import APIError
 from router.api.service import Service
-from router.api.validation import Parameters
+from router.api.validation import GREEDY_BELOW, Parameters, Text
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's own limits (the router's may be lower)
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
 
 def invalid(message: str, param: Optional[str] = None) -> APIError:
@@ -22,13 +23,16 @@ class StreamOptions(BaseModel):
 
 
 class Common(BaseModel):
-    """Fields both routes take. Unknown fields are ignored, as OpenAI-compatible servers do."""
+    """Fields both routes take. Unknown fields are ignored, as vLLM does; declared ones cb does not support are
+    refused with a 422 (see to_parameters). Floats must be finite."""
+    model_config = ConfigDict(allow_inf_nan=False)
+
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     n: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[Text, list[Text], None] = None
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -44,9 +48,9 @@ class Common(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
-    name: Optional[str] = None
+    role: Text
+    content: Union[Text, list[dict[str, Any]], None] = None
+    name: Optional[Text] = None
 
 
 class ChatCompletionRequest(Common):
@@ -60,7 +64,7 @@ class ChatCompletionRequest(Common):
 
 
 class CompletionRequest(Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[Text, list[int], list[Text], list[list[int]]]
     logprobs: Optional[int] = None
     echo: bool = False
     best_of: Optional[int] = None
@@ -69,26 +73,40 @@ class CompletionRequest(Common):
 
 # ---- translating a request -------------------------------------------------------------------------------------
 
-def to_parameters(req: Common, max_tokens: Optional[int], top_n: int) -> Parameters:
+def check_top_logprobs(value: Optional[int], most: int, field: str) -> None:
+    if value is not None and not 0 <= value <= most:
+        raise invalid(f"`{field}` must be in [0, {most}]. Given: {value}", field)
+
+
+def _check(req: Common, max_tokens: Optional[int], max_tokens_field: str) -> None:
+    """The rules OpenAI's fields add to TGI's (validation.py checks the rest once both are Parameters)."""
     if req.n is not None and req.n != 1:
         raise invalid(f"`n` must be 1: cb returns a single choice per request (got n={req.n})", "n")
     if max_tokens is not None and max_tokens < 1:
-        raise invalid("`max_tokens` must be at least 1", "max_tokens")
+        raise invalid(f"`{max_tokens_field}` must be at least 1", max_tokens_field)
     if req.temperature is not None and req.temperature < 0:
         raise invalid("`temperature` must be >= 0", "temperature")
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid("`top_k` must be -1 or 0 (every token) or positive", "top_k")
     if req.seed is not None and not 0 <= req.seed < 2**64:
         raise invalid("`seed` must be in [0, 2**64)", "seed")
     if req.presence_penalty:
         raise invalid("`presence_penalty` is not supported (use `frequency_penalty`)", "presence_penalty")
     if req.logit_bias:
         raise invalid("`logit_bias` is not supported", "logit_bias")
+
+
+def to_parameters(req: Common, max_tokens: Optional[int], top_n: int,
+                  max_tokens_field: str = "max_tokens") -> Parameters:
+    _check(req, max_tokens, max_tokens_field)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    greedy = req.temperature == 0  # OpenAI's and vLLM's meaning: top_p/top_k/seed are then moot
+    # OpenAI's and vLLM's meaning: a temperature of 0 (below vLLM's epsilon) is greedy, top_p/top_k/seed moot
+    greedy = req.temperature is not None and req.temperature < GREEDY_BELOW
     extra = {"top_n_tokens": top_n} if top_n and "top_n_tokens" in Parameters.model_fields else {}
     return Parameters(
         max_new_tokens=max_tokens, do_sample=not greedy,
         temperature=None if greedy else req.temperature, top_p=None if greedy else req.top_p,
-        top_k=None if greedy else req.top_k, seed=req.seed,
+        top_k=None if greedy or req.top_k in (-1, 0) else req.top_k, seed=req.seed,
         frequency_penalty=req.frequency_penalty or None, repetition_penalty=req.repetition_penalty,
         stop=[s for s in stop if s], ignore_eos=req.ignore_eos, priority=req.priority, details=True, **extra,
     )

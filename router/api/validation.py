@@ -1,14 +1,37 @@
-"""TGI's request shape and its validation rules: a bad request is refused before it reaches the queue."""
+"""TGI's request shape and its validation rules: a bad request is refused before it reaches the queue.
+
+Every number that reaches the shards is checked or clamped here: floats are finite (pydantic refuses NaN and
+infinities, raw or as strings), integers fit their proto fields, and what float32 cannot carry is clamped to a
+value with the same meaning. Text is `Text`: valid Unicode, as the tokenizer needs.
+"""
 import random
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from proto import generate_pb2 as pb
 
+GREEDY_BELOW = 1e-5  # as vLLM (and shard/sampling.py): a smaller temperature is greedy, dividing by it overflows
+MAX_STOP_CHARS = 1024  # per stop sequence: they are matched against the text after every token
+F32_TINY, F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # float32's smallest normal and largest
+
+
+def _unicode(text: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which are not text: the tokenizer raises a TypeError on them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
 
 class Parameters(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
     max_new_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_k: Optional[int] = None
@@ -18,7 +41,7 @@ class Parameters(BaseModel):
     seed: Optional[int] = None
     repetition_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    stop: list[str] = Field(default_factory=list)
+    stop: list[Text] = Field(default_factory=list)
     details: bool = False
     decoder_input_details: bool = False
     return_full_text: bool = False
@@ -31,7 +54,7 @@ class Parameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    inputs: Union[str, list[int]] = Field(..., description="a prompt, or (cb extension) its token ids")
+    inputs: Union[Text, list[int]] = Field(..., description="a prompt, or (cb extension) its token ids")
     parameters: Parameters = Field(default_factory=Parameters)
     stream: bool = False
 
@@ -60,10 +83,25 @@ class Validated:
 
 def _check_parameters(p: Parameters, limits: Limits) -> None:
     """TGI's rules, with TGI's messages."""
+    if p.best_of is not None and p.best_of <= 0:
+        raise ValidationError("`best_of` must be strictly positive")
     if p.best_of is not None and p.best_of > 1:
         raise ValidationError("`best_of` > 1 is not supported: send several requests with different seeds")
     if p.watermark:
         raise ValidationError("`watermark` is not supported")
+    _check_sampling(p)
+    _check_stop(p.stop, limits)
+    if not -2**31 <= p.priority < 2**31:
+        raise ValidationError("`priority` must be a 32-bit integer")
+    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= limits.max_top_n_tokens:
+        raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                              f"Given: {p.top_n_tokens}")
+    if p.truncate is not None and not 0 < p.truncate <= limits.max_input_tokens:
+        raise ValidationError(f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
+                              f"Given: {p.truncate}")
+
+
+def _check_sampling(p: Parameters) -> None:
     if p.seed is not None and not 0 <= p.seed < 2**64:
         raise ValidationError("`seed` must be an unsigned 64-bit integer")
     if p.temperature is not None and p.temperature <= 0:
@@ -78,19 +116,16 @@ def _check_parameters(p: Parameters, limits: Limits) -> None:
         raise ValidationError("`typical_p` must be > 0.0 and <= 1.0")
     if p.top_k is not None and p.top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
-    if any(not s for s in p.stop):
+
+
+def _check_stop(stop: list[str], limits: Limits) -> None:
+    if any(not s for s in stop):
         raise ValidationError("`stop` sequences cannot be empty")
-    if len(p.stop) > limits.max_stop_sequences:
+    if len(stop) > limits.max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
-                              f"Given: {len(p.stop)}")
-    if not -2**31 <= p.priority < 2**31:
-        raise ValidationError("`priority` must be a 32-bit integer")
-    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= limits.max_top_n_tokens:
-        raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
-                              f"Given: {p.top_n_tokens}")
-    if p.truncate is not None and not 0 < p.truncate <= limits.max_input_tokens:
-        raise ValidationError(f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
-                              f"Given: {p.truncate}")
+                              f"Given: {len(stop)}")
+    if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
+        raise ValidationError(f"`stop` sequences must be at most {MAX_STOP_CHARS} characters. Given: {longest}")
 
 
 def _input_ids(req: GenerateRequest, tokenizer, limits: Limits) -> list[int]:
@@ -119,15 +154,30 @@ def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
     if len(ids) + max_new > limits.max_total_tokens:
         raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
                               f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
-    sampling = (p.do_sample or p.temperature not in (None, 1.0) or bool(p.top_k)
-                or p.top_p not in (None, 1.0) or p.typical_p not in (None, 1.0))
+    params, seed = _sampling(p, limits.vocab_size)
+    return Validated(ids, max_new, params, list(p.stop), seed)
+
+
+def _f32(x: Optional[float], default: float) -> float:
+    """A positive value as float32 carries it: a tiny one would round to 0 (read as unset), a huge one to inf;
+    the clamped value means the same to the sampler."""
+    return default if x is None else min(max(x, F32_TINY), F32_MAX)
+
+
+def _sampling(p: Parameters, vocab_size: int) -> tuple[pb.SamplingParameters, Optional[int]]:
+    """The shards' parameters: a temperature below GREEDY_BELOW is greedy (vLLM), a top_k that keeps the whole
+    vocabulary is no top_k (proto's uint32 could not carry every int anyway)."""
+    tiny = p.temperature is not None and p.temperature < GREEDY_BELOW
+    sampling = not tiny and (p.do_sample or p.temperature not in (None, 1.0) or bool(p.top_k)
+                             or p.top_p not in (None, 1.0) or p.typical_p not in (None, 1.0))
     seed = None
     if sampling:
         seed = p.seed if p.seed is not None else random.randrange(2**63)
     params = pb.SamplingParameters(
-        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
-        do_sample=sampling, seed=seed or 0, repetition_penalty=p.repetition_penalty or 1.0,
-        frequency_penalty=p.frequency_penalty or 0.0, top_n_tokens=p.top_n_tokens or 0,
-        prefill_logprobs=p.decoder_input_details,
+        temperature=1.0 if tiny else _f32(p.temperature, 1.0),
+        top_k=p.top_k if p.top_k and p.top_k < vocab_size else 0, top_p=_f32(p.top_p, 1.0),
+        typical_p=_f32(p.typical_p, 1.0), do_sample=sampling, seed=seed or 0,
+        repetition_penalty=_f32(p.repetition_penalty, 1.0), frequency_penalty=p.frequency_penalty or 0.0,
+        top_n_tokens=p.top_n_tokens or 0, prefill_logprobs=p.decoder_input_details,
     )
-    return Validated(ids, max_new, params, list(p.stop), seed)
+    return params, seed
