@@ -1,8 +1,21 @@
 """Turns a growing list of token ids into text pieces that are safe to stream, and finds stop sequences.
 
 A piece is emitted only once the tokens decode to whole characters (TGI's prefix/read offsets), so a
-multi-byte character split across tokens never streams as a replacement character.
+multi-byte character split across tokens never streams as a replacement character. `json_logprob` makes a
+token's logprob safe to send.
 """
+import math
+from typing import Optional
+
+IMPOSSIBLE_LOGPROB = -9999.0  # what vLLM shows for a token of probability 0
+
+
+def json_logprob(logprob: Optional[float]) -> Optional[float]:
+    """A logprob JSON can carry (it has no NaN or Infinity; Starlette refuses them with a 500, json.dumps
+    writes invalid JSON): -inf becomes IMPOSSIBLE_LOGPROB, NaN (a prompt's first token) and +inf null."""
+    if logprob is None or math.isfinite(logprob):
+        return logprob
+    return IMPOSSIBLE_LOGPROB if logprob < 0 else None
 
 
 class Detokenizer:

@@ -2,6 +2,7 @@
 token's own text and bytes, logprobs in the chat and completions shapes, usage."""
 from functools import lru_cache
 
+from router.detokenizer import json_logprob
 from router.job import Job, Token
 
 
@@ -76,7 +77,7 @@ def top_tokens(token: Token) -> list[Token]:
 def chat_logprobs(vocab: Vocab, tokens: list[Token], top_n: int) -> dict:
     def entry(t: Token) -> dict:
         text, raw = vocab.get(t.id)
-        return {"token": text, "logprob": t.logprob, "bytes": raw}
+        return {"token": text, "logprob": json_logprob(t.logprob), "bytes": raw}
     return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in top_tokens(t)[:top_n]]}
                         for t in tokens if not t.special]}
 
@@ -88,8 +89,9 @@ def completion_logprobs(vocab: Vocab, tokens: list[Token], top_n: int, offset: i
             continue
         text = vocab.get(t.id)[0]
         out["tokens"].append(text)
-        out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append({vocab.get(a.id)[0]: a.logprob for a in top_tokens(t)[:top_n]} if top_n else None)
+        out["token_logprobs"].append(json_logprob(t.logprob))
+        out["top_logprobs"].append({vocab.get(a.id)[0]: json_logprob(a.logprob) for a in top_tokens(t)[:top_n]}
+                                   if top_n else None)
         out["text_offset"].append(offset)
         offset += len(text)
     return out

@@ -11,12 +11,13 @@ from router.api.errors import APIError, error_body
 from router.api.info import Info
 from router.api.service import Service
 from router.api.validation import GenerateRequest
+from router.detokenizer import json_logprob
 from router.job import Job, Token
 from router.shards import ShardError
 
 
 def token_json(t: Token) -> dict:
-    return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+    return {"id": t.id, "text": t.text, "logprob": json_logprob(t.logprob), "special": t.special}
 
 
 def details_json(job: Job) -> dict:
@@ -33,7 +34,7 @@ def full_details_json(job: Job, svc: Service, body: GenerateRequest) -> dict:
     out["prefill"] = []
     if body.parameters.decoder_input_details:
         ids = job.request.prompt_ids
-        out["prefill"] = [{"id": i, "text": svc.tokenizer.decode([i]), "logprob": None if lp != lp else lp}
+        out["prefill"] = [{"id": i, "text": svc.tokenizer.decode([i]), "logprob": json_logprob(lp)}
                           for i, lp in zip(ids, job.prefill_logprobs)]
     out["tokens"] = [token_json(t) for t in job.tokens]
     if body.parameters.top_n_tokens:
