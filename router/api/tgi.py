@@ -119,11 +119,16 @@ class TGIRoutes:
         return JSONResponse([out], headers=headers)
 
     async def tokenize(self, body: GenerateRequest):
+        """Tokenized and serialized in a worker thread, as Service.start tokenizes: a long text (up to
+        --payload-limit) never stalls the batching loop."""
         if not isinstance(body.inputs, str) or not body.inputs:
             raise APIError(422, "`inputs` must be a non-empty string", "validation")
-        enc = self.svc.tokenizer(body.inputs, return_offsets_mapping=True)
-        return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
-                for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+
+        def tokens() -> bytes:
+            enc = self.svc.tokenizer(body.inputs, return_offsets_mapping=True)
+            return json.dumps([{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
+                               for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]).encode()
+        return Response(await asyncio.to_thread(tokens), media_type="application/json")
 
     async def health(self):
         engine = self.svc.engine
