@@ -49,7 +49,6 @@ def main(settings: Settings):
     uds_dir.mkdir(parents=True, exist_ok=True)
     sockets = [str(uds_dir / f"shard-{rank}.sock") for rank in range(settings.num_shard)]
     rendezvous = uds_dir / "rendezvous"
-    rendezvous.unlink(missing_ok=True)  # a crashed run's store would mislead this run's ranks
     shard_argvs = [shard_argv(settings, model_dir, rank, sockets[rank], rendezvous)
                    for rank in range(settings.num_shard)]
     router_argv = [sys.executable, "-m", "router", *as_flags(model_dir=model_dir, uds=",".join(sockets))]
@@ -58,7 +57,8 @@ def main(settings: Settings):
     try:
         code = Supervisor({ENV: settings.to_json()}).run(
             shard_argvs, sockets, router_argv, router_url(settings.hostname, settings.port),
-            settings.graceful_timeout)
+            settings.graceful_timeout, settings.max_restarts,
+            before_shards=lambda: rendezvous.unlink(missing_ok=True))  # an old set's store would mislead a new one
     finally:
         if own_uds_dir:
             shutil.rmtree(uds_dir, ignore_errors=True)

@@ -1,7 +1,10 @@
-"""Brings the shards up, then the router, and watches them until one dies or the launcher is told to stop.
+"""Brings the shards up, then the router, and watches them until the launcher is told to stop.
 
-Any child dying takes everything down (exit 1): a server missing a shard cannot answer. SIGTERM or
-SIGINT drains instead: the router finishes in-flight requests first, then the shards stop (exit 0).
+A shard exiting (it crashed, or the router ended a hung or late shard set) replaces the whole shard set: the
+survivors are killed (their collectives cannot complete), a new set is started, and the router, which waits for
+it, resumes every request. After --max-restarts replacements in a row, or when the router itself dies,
+everything stops (exit 1). SIGTERM or SIGINT drains instead: the router finishes in-flight requests first,
+then the shards stop (exit 0).
 """
 import os
 import signal
@@ -14,10 +17,16 @@ from launcher.readiness import router_healthy, shard_healthy
 FAILURE_STOP_TIMEOUT = 5.0  # s between SIGTERM and SIGKILL when tearing down after a failure
 SHARD_STOP_TIMEOUT = 10.0   # s the shards get to exit once the router has drained
 ROUTER_STOP_MARGIN = 10.0   # s on top of --graceful-timeout before the router is killed
+RESTART_BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)  # s before each replacement in a row (the last repeats)
+STABLE_AFTER = 3600.0       # s of service after which replacements in a row count from zero again
 
 
 class ChildExited(Exception):
     """A child stopped while nobody asked it to."""
+
+    def __init__(self, child: Child):
+        super().__init__(f"{child.name} {describe_exit(child.exit_code())}")
+        self.child = child
 
 
 class StopRequested(Exception):
@@ -45,16 +54,17 @@ class Supervisor:
         return child
 
     def wait_until(self, ready: Callable[[], bool], waiting_for: Optional[Callable[[], str]] = None,
-                   interval: float = 0.2, report_every: float = 10.0) -> None:
-        """Polls `ready`; reports progress every report_every seconds when told what it waits for."""
+                   interval: float = 0.2, report_every: float = 10.0, timeout: Optional[float] = None) -> None:
+        """Polls `ready` (for at most `timeout` s); reports progress every report_every seconds when told what it
+        waits for."""
         start = time.monotonic()
         next_report = start + report_every
-        while True:
+        while timeout is None or time.monotonic() - start < timeout:
             if self.stop_signal:
                 raise StopRequested
             for child in self.children:
-                if (code := child.exit_code()) is not None:
-                    raise ChildExited(f"{child.name} {describe_exit(code)}")
+                if child.exit_code() is not None:
+                    raise ChildExited(child)
             if ready():
                 return
             if waiting_for is not None and time.monotonic() >= next_report:
@@ -75,16 +85,17 @@ class Supervisor:
         self.wait_until(all_healthy, lambda: ", ".join(f"shard {rank}" for rank in pending) + " to load")
 
     def run(self, shard_argvs: list[list[str]], sockets: list[str], router_argv: list[str], url: str,
-            graceful_timeout: float) -> int:
-        """Serves until a child dies (returns 1) or a stop signal has drained everything (returns 0)."""
+            graceful_timeout: float, max_restarts: int, before_shards: Callable[[], None] = lambda: None) -> int:
+        """Serves until the router dies or the restarts run out (returns 1), or a stop signal has drained
+        everything (returns 0). `before_shards` runs before each shard set starts."""
+        self.before_shards = before_shards
         shards, router = [], None
         try:
-            shards = [self.spawn(f"shard {rank}", argv) for rank, argv in enumerate(shard_argvs)]
-            self.wait_for_shards(sockets)
+            shards = self.start_shards(shard_argvs, sockets)
             router = self.spawn("router", router_argv, self.router_env)
             self.wait_until(lambda: router_healthy(url), lambda: "the router to warm up the shards")
             log("launcher", f"ready: {url}")
-            self.wait_until(lambda: False)
+            self.serve(shards, shard_argvs, sockets, max_restarts)
         except ChildExited as error:
             log("launcher", f"{error}: stopping everything")
             return 1
@@ -92,8 +103,46 @@ class Supervisor:
             log("launcher", f"{self.stop_signal}: shutting down, letting in-flight requests finish")
             if router is not None:
                 stop_all([router], graceful_timeout + ROUTER_STOP_MARGIN)
-            stop_all(shards, SHARD_STOP_TIMEOUT)
+            stop_all([c for c in self.children if c is not router], SHARD_STOP_TIMEOUT)
             log("launcher", "stopped")
             return 0
         finally:  # also reached on a bug in the launcher itself: no child may outlive it
             stop_all(self.children, FAILURE_STOP_TIMEOUT)
+
+    def start_shards(self, shard_argvs: list[list[str]], sockets: list[str]) -> list[Child]:
+        self.before_shards()
+        shards = [self.spawn(f"shard {rank}", argv) for rank, argv in enumerate(shard_argvs)]
+        self.wait_for_shards(sockets)
+        return shards
+
+    def serve(self, shards: list[Child], shard_argvs: list[list[str]], sockets: list[str], max_restarts: int):
+        """Waits forever, replacing the shard set whenever one of its shards exits."""
+        in_a_row, since = 0, time.monotonic()
+        while True:
+            try:
+                self.wait_until(lambda: False)
+            except ChildExited as error:
+                if error.child not in shards:
+                    raise
+                if time.monotonic() - since > STABLE_AFTER:
+                    in_a_row = 0
+                if in_a_row >= max_restarts:
+                    log("launcher", f"{error}; the shard set was replaced {in_a_row} time(s) in a row "
+                                    "(--max-restarts)")
+                    raise
+                in_a_row += 1
+                shards = self.replace_shards(error, shards, shard_argvs, sockets, in_a_row, max_restarts)
+                since = time.monotonic()
+
+    def replace_shards(self, error: ChildExited, shards: list[Child], shard_argvs: list[list[str]],
+                       sockets: list[str], attempt: int, max_restarts: int) -> list[Child]:
+        log("launcher", f"{error}: replacing the shard set (restart {attempt} of at most {max_restarts} in a row)")
+        for child in shards:
+            child.proc.kill()
+        stop_all(shards, FAILURE_STOP_TIMEOUT)
+        self.children = [c for c in self.children if c not in shards]
+        pause = RESTART_BACKOFF[min(attempt, len(RESTART_BACKOFF)) - 1]
+        self.wait_until(lambda: False, timeout=pause)
+        shards = self.start_shards(shard_argvs, sockets)
+        log("launcher", "the new shard set is up; the router resumes its requests")
+        return shards

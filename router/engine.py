@@ -3,6 +3,10 @@
 Each step: retire cancelled requests, let the scheduler decide what runs, make the shards forget soft-reset and
 retired requests and move offloaded or restored blocks, run the step on every shard, then hand its outcome to
 the scheduler (`update`: the one place where tokens join requests and requests finish) and each token to its job.
+
+When a shard fails (it died, hangs, or missed a call's deadline) the engine does not fail the requests: every one
+goes back to waiting with its tokens, a new shard set is started (router/recovery.py), and they resume from their
+history, as after a soft reset. When every shard is alive and a step still fails, that step's own requests fail.
 """
 import asyncio
 import logging
@@ -13,22 +17,27 @@ from router.core.request import State
 from router.core.scheduler import Scheduler
 from router.core.step import Outcome, Step
 from router.job import Job
+from router.recovery import Recovery, RecoveryError
 from router.shards import ShardError, Shards
 from router.trace import Trace
 
 log = logging.getLogger("router")
+PROBE_INTERVAL = 2.0  # s between Health calls while idle: a shard that dies or hangs is noticed without traffic
 
 
 class Engine:
-    def __init__(self, shards: Shards, scheduler: Scheduler, trace: Optional[Trace] = None):
+    def __init__(self, shards: Shards, scheduler: Scheduler, trace: Optional[Trace] = None,
+                 recovery: Optional[Recovery] = None):
         self.shards = shards
         self.scheduler = scheduler
         self.trace = trace or Trace(None)
+        self.recovery = recovery  # None: a failed shard set fails its requests (nothing can replace it)
         self.jobs: dict[int, Job] = {}
         self.wake = asyncio.Event()
         self.to_filter: list[int] = []
         self._seen_lookups = self._seen_hits = 0
-        self.last_step_failed = False
+        self.recovering = False
+        self.failed = False  # the shards failed and were not replaced; cleared by the next answer
 
     def submit(self, job: Job) -> None:
         self.jobs[job.id] = job
@@ -45,6 +54,12 @@ class Engine:
     @property
     def busy(self) -> bool:
         return self.scheduler.busy
+
+    @property
+    def healthy(self) -> bool:
+        """Every shard answered within the current deadline, and none is being replaced."""
+        deadline = self.shards.deadline
+        return not (self.recovering or self.failed) and deadline.silent_for < deadline.seconds
 
     async def run(self) -> None:
         """Runs steps forever; a bug in one step fails the requests it touched, never the loop."""
@@ -66,26 +81,34 @@ class Engine:
                 continue
             self.observe()
             if not self.busy:
-                await self._sleep()
+                await self._idle()
                 continue
             step = self.scheduler.schedule()
             self.trace.step(step)
             try:
                 await self._move(step)
                 if not step.entries:
-                    await self._sleep()
+                    await self._idle()
                     continue
                 resp = await self.shards.step(step, self.jobs)
             except ShardError as e:
-                await self._fail_all(str(e))
+                await self._shard_failed(e, step)
                 continue
-            self.last_step_failed = False
+            self.failed = False
             metrics.observe_step(step, resp)
             self._apply(step, resp)
 
-    async def _sleep(self) -> None:
+    async def _idle(self) -> None:
+        """Waits for work; every PROBE_INTERVAL without any, checks that the shards still answer."""
         self.wake.clear()
-        await self.wake.wait()
+        try:
+            await asyncio.wait_for(self.wake.wait(), PROBE_INTERVAL)
+        except asyncio.TimeoutError:
+            try:
+                await self.shards.health()
+                self.failed = False
+            except ShardError as e:
+                await self._shard_failed(e)
 
     def _apply(self, step: Step, resp) -> None:
         """The step's outcome: prompt logprobs, then the tokens, through the scheduler, to the jobs."""
@@ -124,7 +147,7 @@ class Engine:
             await self.shards.filter(ids)
             return True
         except ShardError as e:
-            await self._fail_all(str(e))
+            await self._shard_failed(e)
             return False
 
     async def _move(self, step: Step) -> None:
@@ -154,24 +177,69 @@ class Engine:
         self._seen_lookups, self._seen_hits = kv.prefix_lookups, kv.prefix_hit_blocks
         metrics.observe_scheduler(self.scheduler)
 
-    async def _fail_all(self, message: str) -> None:
-        """A failed step poisons every running batch: fail the affected jobs (offloaded ones too: the shards
-        forget their state) and clear every shard. A request that had already finished keeps its result."""
-        log.error("step failed: %s", message)
-        self.last_step_failed = True
-        s = self.scheduler
-        for job in list(self.jobs.values()):
-            req = job.request
-            if req.state is State.FINISHED and job.finish_reason is not None:
-                self._retire(job)
-            elif req.state is State.FINISHED or req in s.running or req in s.offloaded:
-                job.fail(message)
-                s.finish(req, "error")
-                del self.jobs[job.id]
-                metrics.outcomes.labels("error").inc()
+    async def _shard_failed(self, error: ShardError, step: Optional[Step] = None) -> None:
+        """A shard call failed. A dead, hung or late shard set is replaced and every request resumes; when every
+        shard is alive and answered in time, the step itself failed: its requests fail, the others resume."""
+        alive = not error.missed_deadline and await self.shards.alive()
+        if not alive and self.recovery is not None:
+            await self._recover(str(error))
+            return
+        self.failed = not alive
+        if alive and step is not None and step.entries:
+            await self._fail(f"a shard failed this step: {error}", {e.request.id for e in step.entries})
+        else:
+            await self._fail(str(error))
+
+    async def _recover(self, message: str) -> None:
+        log.error("shard failure (%s): replacing the shard set", message)
+        self.recovering = True
+        self._reset_all()
+        try:
+            await self.recovery.restart()
+        except (RecoveryError, ShardError) as e:
+            self.recovering, self.failed = False, True
+            await self._fail(f"the shards failed and could not be replaced: {e}")
+            return
+        self.recovering = self.failed = False
+        metrics.shard_restarts.inc()
+        log.info("shard set replaced; %d request(s) resume from their history", len(self.jobs))
+
+    def _reset_all(self) -> list:
+        """Every request holding cache state waits again with its tokens (the shards lost their caches)."""
+        reset = self.scheduler.reset_all()
+        for req in reset:
+            self.jobs[req.id].prefill_logprobs.clear()  # recomputed from the first token
         self.to_filter = []
-        s.kv.forget()
+        return reset
+
+    async def _fail(self, message: str, victims: Optional[set[int]] = None) -> None:
+        """Fails the `victims` (default: every request holding cache state), resets the other requests holding
+        cache state and clears every shard."""
+        log.error("step failed: %s", message)
+        held = {r.id for r in self.scheduler.running + self.scheduler.offloaded}
+        for job in [j for j in self.jobs.values() if j.id in (held if victims is None else victims)]:
+            job.fail(message)
+            self.scheduler.finish(job.request, "error")
+            del self.jobs[job.id]
+            metrics.outcomes.labels("error").inc()
+        self._reset_all()
         try:
             await self.shards.clear()
         except ShardError as e:
             log.error("clearing the shards failed too: %s", e)
+
+    def end_all(self, message: str) -> None:
+        """Shutdown: every request still here (running, waiting or offloaded) ends with an error event."""
+        for job in list(self.jobs.values()):
+            job.fail(message)
+            self.scheduler.finish(job.request, "error")
+            del self.jobs[job.id]
+            metrics.outcomes.labels("error").inc()
+
+    async def _fail_all(self, message: str) -> None:
+        """A bug in the loop: every job in flight fails (one that had already finished keeps its result)."""
+        for job in [j for j in self.jobs.values() if j.request.state is State.FINISHED and j.finish_reason]:
+            self._retire(job)
+        s = self.scheduler
+        await self._fail(message, {j.id for j in self.jobs.values()
+                                   if j.request.state is State.FINISHED or j.request in s.running + s.offloaded})

@@ -37,6 +37,8 @@ window_blocks_free = Gauge("cb_window_blocks_free", "Free blocks of the sliding-
 window_blocks_total = Gauge("cb_window_blocks_total", "Blocks of the sliding-window layers' pool", registry=registry)
 prefill_chunks = Counter("cb_prefill_chunks", "Prompt chunks that stopped short of the prompt's end",
                          registry=registry)
+shard_restarts = Counter("cb_shard_restarts", "Shard sets replaced after a shard died, hung or missed a deadline",
+                         registry=registry)
 blocks_free = Gauge("cb_kv_blocks_free", "Free KV blocks", registry=registry)
 blocks_total = Gauge("cb_kv_blocks_total", "KV blocks in the pool", registry=registry)
 computed_tokens = Counter("cb_computed_tokens", "Tokens the shards computed (prompt and decode)", registry=registry)

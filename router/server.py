@@ -1,16 +1,18 @@
 """Starts the router: the HTTP app at once, then (in its lifespan) the shards warmed up, the KV pools sized and
-the batching loop running; on SIGTERM/SIGINT it drains (503 for new work) and exits 0."""
+the batching loop running; on SIGTERM/SIGINT it drains (503 for new work, in-flight requests finish) and exits 0."""
 import asyncio
 import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Optional
 
 from router.settings import Settings
 
 log = logging.getLogger("router")
+STREAM_CLOSE_TIMEOUT = 5.0  # s for responses to send their last bytes once draining is over
 
 
 def serve(settings: Settings, model_dir: str, sockets: list[str]) -> None:
@@ -25,8 +27,8 @@ def serve(settings: Settings, model_dir: str, sockets: list[str]) -> None:
     app = http_app(settings, svc, sockets)
     config = uvicorn.Config(Guards(app, key, settings.payload_limit), host=settings.hostname,
                             port=settings.port, log_level="warning",
-                            timeout_graceful_shutdown=settings.graceful_timeout)
-    Server(config, svc).run()
+                            timeout_graceful_shutdown=STREAM_CLOSE_TIMEOUT)
+    Server(config, svc, settings.graceful_timeout).run()
 
 
 def api_key(settings: Settings) -> Optional[str]:
@@ -72,7 +74,7 @@ def http_app(settings: Settings, svc, sockets: list[str]):
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        shards = Shards(sockets)
+        shards = Shards(sockets, settings.shard_timeout)
         svc.engine, svc.info = await start_engine(settings, shards)
         loop_task = asyncio.create_task(svc.engine.run())
         yield
@@ -95,6 +97,7 @@ async def start_engine(s: Settings, shards):
     from router.core.kv import KVManager
     from router.core.scheduler import Budget, Scheduler
     from router.engine import Engine
+    from router.recovery import Recovery
     from router.trace import Trace
 
     await shards.health()
@@ -102,9 +105,10 @@ async def start_engine(s: Settings, shards):
     window = info.sliding_window if info.num_window_layers else 0
     swap_bytes = int(s.cpu_offload_space * 2**30) if KVManager.can_offload_model(window) else 0
     wanted = s.num_blocks or (ceil_div(s.max_batch_total_tokens, s.block_size) if s.max_batch_total_tokens else 0)
-    pools = await shards.warmup(max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_size=s.max_batch_size,
-                                num_blocks=wanted, max_memory_fraction=s.max_memory_percent,
-                                max_total_tokens=s.max_total_tokens, cpu_swap_bytes=swap_bytes)
+    sizing = dict(max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_size=s.max_batch_size,
+                  num_blocks=wanted, max_memory_fraction=s.max_memory_percent, max_total_tokens=s.max_total_tokens,
+                  cpu_swap_bytes=swap_bytes)
+    pools = await shards.warmup(**sizing)
     total = check_capacity(s, pools.num_blocks)
     kv = KVManager(pools.num_blocks, s.block_size, s.prefix_caching, pools.num_swap_blocks, window,
                    pools.num_window_blocks)
@@ -112,7 +116,7 @@ async def start_engine(s: Settings, shards):
     budget = Budget(s.max_batch_prefill_tokens, total, s.max_batch_size, s.waiting_served_ratio,
                     s.max_waiting_tokens)
     trace = Trace(open(s.trace_file, "w") if s.trace_file else None)
-    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin), trace)
+    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin), trace, Recovery(shards, sizing, pools))
     return engine, Info(
         model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device,
         quantize=info.quantize or None, num_shard=info.world_size,
@@ -150,13 +154,15 @@ def log_pools(s: Settings, info, kv) -> None:
 
 
 class Server:
-    """uvicorn, draining on SIGTERM/SIGINT: /health and new requests get 503 while in-flight ones finish. The
-    signal is not raised again once the server has stopped (uvicorn's default), so a clean stop exits 0."""
+    """uvicorn, draining on SIGTERM/SIGINT: the HTTP server keeps answering (503 for new work and for /health)
+    while the requests in flight finish; those still running at --graceful-timeout end with an error event; then
+    it stops and the process exits 0. A second signal stops at once."""
 
-    def __init__(self, config, svc):
+    def __init__(self, config, svc, graceful_timeout: float):
         import uvicorn
 
         self.svc = svc
+        self.graceful_timeout = graceful_timeout
         self.server = uvicorn.Server(config)
         self.server.capture_signals = self.capture_signals
 
@@ -170,8 +176,27 @@ class Server:
                 signal.signal(sig, handler)
 
     def on_signal(self, sig, frame) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if self.svc.draining or self.svc.engine is None or loop is None:
+            self.server.handle_exit(sig, frame)
+            return
         self.svc.draining = True
-        self.server.handle_exit(sig, frame)
+        loop.call_soon_threadsafe(lambda: loop.create_task(self.drain(signal.Signals(sig).name)))
+
+    async def drain(self, name: str) -> None:
+        engine = self.svc.engine
+        log.info("%s: draining; %d request(s) in flight get up to %.0f s to finish", name, len(engine.jobs),
+                 self.graceful_timeout)
+        give_up = time.monotonic() + self.graceful_timeout
+        while engine.jobs and time.monotonic() < give_up:
+            await asyncio.sleep(0.1)
+        if engine.jobs:
+            log.warning("graceful timeout: ending %d request(s) still in flight", len(engine.jobs))
+            engine.end_all("the server is shutting down: --graceful-timeout reached")
+        self.server.should_exit = True
 
     def run(self) -> None:
         self.server.run()

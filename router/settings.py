@@ -70,6 +70,11 @@ class Settings:
                                       "large batches", choices=("int8",))
     uds_dir: Optional[str] = setting(None, "folder for the shards' sockets and the file their torch.distributed "
                                      "ranks meet through (default: a fresh temporary folder)")
+    shard_timeout: float = setting(60.0, "most seconds any shard call may take (the deadline in force is 10x the "
+                                   "slowest step seen, at least 10 s, at most this); a call past it is a shard "
+                                   "failure", min=1.0)
+    max_restarts: int = setting(3, "times in a row a failed shard set is replaced (every request resumes) before "
+                                "the server gives up and exits 1; an hour of service resets the count", min=0)
     graceful_timeout: float = setting(30.0, "seconds in-flight requests get to finish on shutdown", min=0.0)
     api_key: Optional[str] = setting(None, "require `Authorization: Bearer KEY` on every route but /health, "
                                      "/metrics and /info")

@@ -1,51 +1,88 @@
 """The router's client to the shards: every call goes to every rank at once; rank 0's answer is the answer.
 
 This is where the scheduler's plans become the contract's messages (proto/generate.proto): a Step's entries,
-its block moves and the tables the shards rebind.
+its block moves and the tables the shards rebind. Every call has a deadline (router/deadline.py); one missed
+counts as a shard failure.
 """
 import asyncio
+import time
 
 import grpc
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.core.step import Entry, Step
+from router.deadline import Deadline
+
+WARMUP_TIMEOUT = 600.0  # s: sizing the pools and a first prefill, on a cold machine
+PROBE_TIMEOUT = 2.0     # s a live shard takes at most to answer Health (its gRPC threads answer it mid-step)
 
 
 class ShardError(Exception):
-    pass
+    def __init__(self, message: str, missed_deadline: bool = False):
+        super().__init__(message)
+        self.missed_deadline = missed_deadline
 
 
 class Shards:
-    def __init__(self, sockets: list[str]):
+    def __init__(self, sockets: list[str], timeout: float = 60.0):
+        self.sockets = sockets
+        self.deadline = Deadline(timeout)
+        self.pids: list[int] = []  # each rank's process, from Info
+        self._connect()
+
+    def _connect(self) -> None:
         opts = [("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20)]
-        self.channels = [grpc.aio.insecure_channel(f"unix://{s}", options=opts) for s in sockets]
+        self.channels = [grpc.aio.insecure_channel(f"unix://{s}", options=opts) for s in self.sockets]
         self.stubs = [pb_grpc.ShardStub(c) for c in self.channels]
 
-    async def _all(self, method: str, request):
-        calls = [getattr(stub, method)(request) for stub in self.stubs]
+    async def reconnect(self) -> None:
+        """Fresh channels for a new shard set (a long-lived channel backs off reconnecting, up to minutes)."""
+        await self.close()
+        self._connect()
+
+    async def _every(self, method: str, request, timeout: float, measured: bool = True) -> list:
+        calls = [getattr(stub, method)(request, timeout=timeout) for stub in self.stubs]
+        started = time.monotonic()
         try:
             answers = await asyncio.gather(*calls)
         except grpc.aio.AioRpcError as e:
             for c in calls:
                 c.cancel()
-            raise ShardError(f"{method}: {e.code().name}: {e.details()}") from e
-        return answers[0]
+            missed = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            raise ShardError(f"{method}: {e.code().name}: {e.details()}", missed) from e
+        self.deadline.answered(time.monotonic() - started if measured else 0.0)
+        return answers
+
+    async def _all(self, method: str, request):
+        return (await self._every(method, request, self.deadline.seconds))[0]
 
     async def info(self) -> pb.InfoResponse:
-        return await self._all("Info", pb.InfoRequest())
+        answers = await self._every("Info", pb.InfoRequest(), self.deadline.seconds)
+        self.pids = [a.pid for a in answers]
+        return answers[0]
 
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest())
 
+    async def alive(self) -> bool:
+        """Whether every rank answers Health now (a failed call may have come from a live rank)."""
+        async def one(stub) -> bool:
+            try:
+                await stub.Health(pb.HealthRequest(), timeout=PROBE_TIMEOUT)
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+        return all(await asyncio.gather(*[one(stub) for stub in self.stubs]))
+
     async def warmup(self, **sizing) -> pb.WarmupResponse:
         """Each shard sizes its own pools (WarmupRequest's fields); the usable pools are the smallest."""
         request = pb.WarmupRequest(**sizing)
-        answers = await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
+        answers = await self._every("Warmup", request, WARMUP_TIMEOUT, measured=False)
         smallest = min(a.num_blocks for a in answers)
         if any(a.num_blocks != smallest for a in answers):
             request.num_blocks = smallest
-            answers = await asyncio.gather(*[stub.Warmup(request) for stub in self.stubs])
+            answers = await self._every("Warmup", request, WARMUP_TIMEOUT, measured=False)
         return pb.WarmupResponse(num_blocks=smallest,
                                  num_window_blocks=min(a.num_window_blocks for a in answers),
                                  num_swap_blocks=min(a.num_swap_blocks for a in answers))

@@ -41,7 +41,7 @@ class ShardService(pb_grpc.ShardServicer):
             num_kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.config.vocab_size,
             max_position_embeddings=getattr(m.config, "max_position_embeddings", 0) or 0,
             sliding_window=m.sliding_window, num_window_layers=sum(m.sliding),
-            quantize=m.quantize or "",
+            quantize=m.quantize or "", pid=os.getpid(),
         )
 
     def Health(self, request, context):

@@ -13,7 +13,8 @@ from router.api.service import Service
 from router.api.validation import GenerateRequest
 from router.detokenizer import json_logprob
 from router.job import Job, Token
-from router.shards import ShardError
+
+RETRY_AFTER = 5  # s a client is told to wait while the server is degraded or draining
 
 
 def token_json(t: Token) -> dict:
@@ -60,6 +61,11 @@ def timing_headers(job: Job, svc: Service, body: GenerateRequest) -> dict:
         "x-time-per-token": ms((end - job.queued_at) / max(1, len(job.tokens))),
         "x-prompt-tokens": str(len(job.request.prompt_ids)), "x-generated-tokens": str(len(job.tokens)),
     }
+
+
+def unhealthy(message: str) -> JSONResponse:
+    return JSONResponse(error_body(False, 503, message, "unhealthy"), status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER)})
 
 
 class TGIRoutes:
@@ -131,16 +137,15 @@ class TGIRoutes:
         return Response(await asyncio.to_thread(tokens), media_type="application/json")
 
     async def health(self):
+        """200 only while every shard answered recently and nothing is being replaced or drained; else 503 with
+        Retry-After. The engine's own calls (steps, or Health every few seconds while idle) keep this current."""
         engine = self.svc.engine
         if self.svc.draining:
-            raise APIError(503, "the server is shutting down", "unhealthy")
-        if engine.last_step_failed:
-            raise APIError(503, "the last step failed on a shard", "unhealthy")
-        if not engine.busy:  # while steps run they prove the shards alive; a Health call would queue behind
-            try:
-                await asyncio.wait_for(engine.shards.health(), timeout=5)
-            except (ShardError, asyncio.TimeoutError) as e:
-                raise APIError(503, f"a shard is unhealthy: {e}", "unhealthy") from e
+            return unhealthy("the server is shutting down")
+        if engine.recovering:
+            return unhealthy("a shard failed: the shard set is being replaced and requests will resume")
+        if not engine.healthy:
+            return unhealthy(f"a shard has not answered for {engine.shards.deadline.silent_for:.0f} s")
         return JSONResponse({})
 
     async def info(self) -> Info:

@@ -240,7 +240,20 @@ class Scheduler:
 
     def preempt(self, req: Request, step: Step) -> None:
         """Soft reset: free the blocks, keep the tokens, wait again by rank (ahead of later arrivals)."""
-        self.running.remove(req)
+        self._soft_reset(req)
+        step.preempted.append(req)
+
+    def reset_all(self) -> list[Request]:
+        """The shards lost every cache (a new shard set): each request that held cache state waits again with
+        its tokens, to resume from its history. Returns them."""
+        held = self.running + self.offloaded
+        for req in held:
+            self._soft_reset(req)
+        self.kv.forget()
+        return held
+
+    def _soft_reset(self, req: Request) -> None:
+        (self.running if req in self.running else self.offloaded).remove(req)
         self.kv.release(req)
         req.hashes = []
         req.computed = 0
@@ -248,4 +261,3 @@ class Scheduler:
         req.preemptions += 1
         req.state = State.WAITING
         bisect.insort(self.waiting, req, key=_rank)
-        step.preempted.append(req)

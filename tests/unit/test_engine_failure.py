@@ -8,6 +8,7 @@ from router.core.kv import KVManager
 from router.core.request import Request
 from router.core.scheduler import Budget, Scheduler
 from router.detokenizer import Detokenizer
+from router.deadline import Deadline
 from router.engine import Engine
 from router.job import Job
 from router.shards import ShardError
@@ -19,18 +20,27 @@ class Tokenizer:
 
 
 class FlakyShards:
-    """Answers every step with token 7 for each sampled entry, except while `broken`."""
+    """Answers every step with token 7 for each sampled entry, except while `broken`; `dead` shards also stop
+    answering Health."""
 
     def __init__(self):
-        self.broken = False
+        self.broken = self.dead = False
         self.cleared = 0
+        self.deadline = Deadline(60.0)
 
     async def step(self, step, jobs):
         await asyncio.sleep(0)
-        if self.broken:
+        if self.broken or self.dead:
             raise ShardError("Prefill: UNAVAILABLE: shard 1 went away")
-        return pb.StepResponse(generations=[pb.Generation(id=e.request.id, token_id=7)
+        return pb.StepResponse(generations=[pb.Generation(id=e.request.id, token_id=7 + len(e.request.generated))
                                             for e in step.entries if e.sample])
+
+    async def alive(self):
+        return not self.dead
+
+    async def health(self):
+        if self.dead:
+            raise ShardError("Health: UNAVAILABLE")
 
     async def filter(self, ids):
         pass
@@ -51,10 +61,23 @@ async def drain(j: Job) -> list:
     return out
 
 
-def start():
+class Replacement:
+    """Stands for router/recovery.py: "starts a new shard set" by healing the fake one."""
+
+    def __init__(self, shards: FlakyShards):
+        self.shards, self.restarts = shards, 0
+
+    async def restart(self):
+        await asyncio.sleep(0.01)
+        self.restarts += 1
+        self.shards.dead = False
+
+
+def start(recovery: bool = False):
     """A running engine over a 64-block pool and shards that fail on demand (inside an event loop)."""
     shards, kv = FlakyShards(), KVManager(64, 4)
-    engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv))
+    engine = Engine(shards, Scheduler(Budget(32, 256, 8, 0.3, 20), kv),
+                    recovery=Replacement(shards) if recovery else None)
     return shards, kv, engine, asyncio.create_task(engine.run())
 
 
@@ -72,9 +95,45 @@ def test_failed_step_fails_the_batch_and_the_engine_keeps_serving():
         fine = job(3, 4)
         engine.submit(fine)
         events = await drain(fine)
-        assert events[-1][0] == "end" and [e[1].id for e in events[:-1]] == [7, 7, 7, 7]
+        assert events[-1][0] == "end" and [e[1].id for e in events[:-1]] == [7, 8, 9, 10]
         await asyncio.sleep(0.05)
         assert kv.pool.num_free == 64
+        loop.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_shard_set_is_replaced_and_every_request_resumes_from_its_history():
+    async def scenario():
+        shards, kv, engine, loop = start(recovery=True)
+        jobs = [job(5, 12), job(9, 12), job(3, 12)]
+        for j in jobs:
+            engine.submit(j)
+        while len(jobs[0].tokens) < 4:
+            await asyncio.sleep(0.001)
+        shards.dead = True
+        results = [await drain(j) for j in jobs]
+        for events in results:  # no token lost or repeated: the fake shard answers 7 + tokens so far
+            assert events[-1][0] == "end" and [e[1].id for e in events[:-1]] == list(range(7, 19))
+        assert engine.recovery.restarts == 1 and shards.cleared == 0
+        assert engine.healthy and kv.pool.num_free == 64 and not engine.jobs
+        loop.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_alive_shards_that_fail_a_step_fail_only_that_steps_requests():
+    async def scenario():
+        shards, kv, engine, loop = start(recovery=True)
+        first = job(5, 3)
+        engine.submit(first)
+        shards.broken = True
+        assert (await drain(first))[-1][0] == "error"
+        assert engine.recovery.restarts == 0 and engine.healthy
+        shards.broken = False
+        later = job(4, 3)
+        engine.submit(later)
+        assert (await drain(later))[-1][0] == "end" and kv.pool.num_free == 64
         loop.cancel()
 
     asyncio.run(scenario())

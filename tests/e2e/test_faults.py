@@ -1,0 +1,101 @@
+"""A shard that dies or hangs loses no request: the shard set is replaced and every stream completes, token for
+token what transformers' generate gives for its prompt alone. One TP=3 server lives through both failures."""
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import Server, assert_idle, metric, stream_events
+from test_correctness import prompts
+from test_lifecycle import children
+
+DEADLINE = 10  # --shard-timeout: the longest a hung shard can hold a step
+
+
+@pytest.fixture(scope="module")
+def tp3():
+    s = Server("--num-shard", "3", "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "8192",
+               "--max-total-tokens", "1024", "--shard-timeout", str(DEADLINE))
+    yield s
+    assert s.stop() == 0, s.logs()
+
+
+class Streams:
+    """Greedy streams in threads: each prompt's token ids, and any error event it got."""
+
+    def __init__(self, url: str, all_ids: list[list[int]], max_new_tokens: int):
+        self.tokens = [[] for _ in all_ids]
+        self.errors = []
+        self.threads = [threading.Thread(target=self._run, args=(url, i, ids, max_new_tokens))
+                        for i, ids in enumerate(all_ids)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, url, i, ids, max_new_tokens):
+        for event in stream_events(url, ids, max_new_tokens=max_new_tokens):
+            if event.get("token"):
+                self.tokens[i].append(event["token"]["id"])
+            else:
+                self.errors.append(event)
+
+    def wait_for_tokens(self, n: int) -> None:
+        while sum(map(len, self.tokens)) < n:
+            time.sleep(0.05)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=600)
+
+
+def shard_pid(server: Server, rank: int) -> int:
+    return next(pid for pid, cmd in children(server.proc.pid).items() if f"--rank {rank} " in cmd + " ")
+
+
+def health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_killed_shard_is_replaced_and_every_stream_completes_as_generate(tp3, reference):
+    all_ids = prompts(reference.tokenizer)
+    all_ids = all_ids[:16] if len(all_ids) >= 16 else (all_ids * 2)[:16]
+    streams = Streams(tp3.url, all_ids, 16)
+    streams.wait_for_tokens(40)
+    os.kill(shard_pid(tp3, 1), signal.SIGKILL)
+    streams.join()
+    assert not streams.errors, streams.errors
+    for ids, ours in zip(all_ids, streams.tokens):
+        reference.assert_same_greedy(ids, ours, 16)
+    assert metric(tp3.url, "cb_shard_restarts_total") == 1, tp3.logs()
+    assert health(tp3.url) == 200
+    assert_idle(tp3.url)
+
+
+def test_stopped_shard_turns_health_503_and_is_replaced(tp3, reference):
+    all_ids = prompts(reference.tokenizer)[:4]
+    restarts = metric(tp3.url, "cb_shard_restarts_total")
+    streams = Streams(tp3.url, all_ids, 24)
+    streams.wait_for_tokens(8)
+    stopped = shard_pid(tp3, 2)
+    os.kill(stopped, signal.SIGSTOP)
+    began = time.monotonic()
+    try:
+        while health(tp3.url) == 200:
+            assert time.monotonic() - began < DEADLINE + 5, "/health stayed 200 past the deadline"
+            time.sleep(0.2)
+        streams.join()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the router ends it: this matters only on failure
+            os.kill(stopped, signal.SIGCONT)
+    assert not streams.errors, streams.errors
+    for ids, ours in zip(all_ids, streams.tokens):
+        reference.assert_same_greedy(ids, ours, 24)
+    assert metric(tp3.url, "cb_shard_restarts_total") == restarts + 1
+    assert health(tp3.url) == 200
+    assert_idle(tp3.url)
