@@ -1,11 +1,13 @@
 """The OpenAI surface, driven by the real `openai` client: chat and completions, streamed and not, against
-transformers' own greedy output; n=2, stop, logprobs, usage, seeds, ignore_eos, errors in OpenAI's shape."""
+transformers' own greedy output; n=2, stop, logprobs, usage, seeds, ignore_eos, errors in OpenAI's shape, bad and
+hostile fields."""
 import httpx
 import openai
 import pytest
 
 from conftest import assert_idle
 from router.job import Token
+from test_api_errors import HUGE, INF, NAN, assert_error_shape, post, strict_json
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -201,7 +203,53 @@ def test_chat_content_parts(client):
 
 BAD = {
     "temperature below 0": ("completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+    "temperature NaN": ("chat", {"messages": CHAT, "temperature": NAN}, "temperature"),
+    "temperature 1e400": ("completions", {"prompt": PROMPT, "temperature": HUGE}, "temperature"),
+    "temperature 'NaN' as a string": ("completions", {"prompt": PROMPT, "temperature": "NaN"}, "temperature"),
+    "repetition_penalty NaN": ("completions", {"prompt": PROMPT, "repetition_penalty": NAN}, "repetition_penalty"),
+    "repetition_penalty 0": ("chat", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    "top_p Infinity": ("chat", {"messages": CHAT, "top_p": INF}, "top_p"),
+    "frequency_penalty 'NaN' as a string": ("chat", {"messages": CHAT, "frequency_penalty": "NaN"},
+                                            "frequency_penalty"),
+    "frequency_penalty 2.5": ("completions", {"prompt": PROMPT, "frequency_penalty": 2.5}, "frequency_penalty"),
+    "presence_penalty NaN": ("completions", {"prompt": PROMPT, "presence_penalty": NAN}, "presence_penalty"),
+    "presence_penalty 1": ("chat", {"messages": CHAT, "presence_penalty": 1}, "presence_penalty"),
+    "logit_bias NaN": ("completions", {"prompt": PROMPT, "logit_bias": {"1": NAN}}, "logit_bias"),
+    "logit_bias given": ("chat", {"messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
+    "top_k -2": ("completions", {"prompt": PROMPT, "top_k": -2}, "top_k"),
+    "seed -1": ("completions", {"prompt": PROMPT, "seed": -1}, "seed"),
+    "seed 2**64": ("chat", {"messages": CHAT, "seed": 2**64}, "seed"),
+    "n 0": ("completions", {"prompt": PROMPT, "n": 0}, "n"),
+    "n 2**64": ("chat", {"messages": CHAT, "n": 2**64}, "n"),
     "max_tokens 0": ("completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    "max_tokens -1": ("chat", {"messages": CHAT, "max_tokens": -1}, "max_tokens"),
+    "max_tokens 2**64": ("completions", {"prompt": PROMPT, "max_tokens": 2**64}, "max_tokens"),
+    "max_completion_tokens 0": ("chat", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    "max_completion_tokens beyond": ("chat", {"messages": CHAT, "max_completion_tokens": 5000},
+                                     "max_completion_tokens"),
+    "stop sequence too long": ("completions", {"prompt": PROMPT, "stop": "x" * 1025}, "1024"),
+    "too many stop sequences": ("chat", {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    "stop a number": ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
+    "priority 2**40": ("completions", {"prompt": PROMPT, "priority": 2**40}, "priority"),
+    "best_of 0": ("completions", {"prompt": PROMPT, "best_of": 0}, "best_of"),
+    "best_of 2": ("completions", {"prompt": PROMPT, "best_of": 2}, "best_of"),
+    "suffix": ("completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
+    "echo with logprobs": ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
+    "token id out of vocabulary": ("completions", {"prompt": [1, 2**40]}, "prompt"),
+    "negative token id": ("completions", {"prompt": [[-1]]}, "prompt"),
+    "prompt a number": ("completions", {"prompt": 5}, "prompt"),
+    "lone surrogate in prompt": ("completions", {"prompt": ["a\ud800"]}, "prompt"),
+    "lone surrogate in a message": ("chat", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+    "missing prompt": ("completions", {}, "prompt"),
+    "messages not a list": ("chat", {"messages": "hi"}, "messages"),
+    "message without role": ("chat", {"messages": [{"content": "hi"}]}, "messages"),
+    "content a number": ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    "tools": ("chat", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    "json response_format": ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}},
+                             "response_format"),
+    "stream_options a list": ("chat", {"messages": CHAT, "stream": True, "stream_options": []}, "stream_options"),
+    "logprobs -1": ("completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
+    "top_logprobs -1": ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     "beyond max_total_tokens": ("completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens"),
     "too long a prompt": ("completions", {"prompt": "hello " * 1500}, "prompt"),
     "empty prompt": ("completions", {"prompt": ""}, "prompt"),
@@ -217,15 +265,83 @@ BAD = {
 }
 
 
+def openai_body(route: str, body: dict) -> dict:
+    """A request with a model and, unless the case sets one, a small max_tokens (a valid one finishes fast)."""
+    small = {} if {"max_tokens", "max_completion_tokens"} & set(body) else {"max_tokens": 4}
+    return {"model": "cb", **small, **body}
+
+
+def path_of(route: str) -> str:
+    return "/v1/chat/completions" if route == "chat" else "/v1/completions"
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_request_is_422_in_openai_shape(server, case):
     route, body, word = BAD[case]
-    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    r = httpx.post(server.url + path, json={"model": "cb", **body}, timeout=60)
-    assert r.status_code == 422, r.text
-    err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] == "validation"
+    err = assert_error_shape(post(server.url, openai_body(route, body), path_of(route)), path_of(route))
+    assert err["code"] == "validation"
     assert word in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("case", ["logprobs -1", "top_logprobs -1", "temperature NaN", "max_completion_tokens 0",
+                                  "seed 2**64", "stop sequence too long", "token id out of vocabulary"])
+def test_bad_request_names_its_param(server, case):
+    route, body, _ = BAD[case]
+    err = post(server.url, openai_body(route, body), path_of(route)).json()["error"]
+    assert err["param"] == {"stop sequence too long": "stop", "token id out of vocabulary": "prompt"}.get(
+        case, case.split()[0]), err
+
+
+# Accepted, and each must generate (they used to be a 500, or a sampler failure that took the batch down).
+HOSTILE = {
+    "top_k 2**40": ("completions", {"prompt": PROMPT, "top_k": 2**40}),
+    "top_k -1 (every token)": ("chat", {"messages": CHAT, "top_k": -1, "seed": 1}),
+    "top_k 0 (every token)": ("completions", {"prompt": PROMPT, "top_k": 0}),
+    "temperature 1e-38": ("completions", {"prompt": PROMPT, "temperature": 1e-38}),
+    "temperature 1e308": ("chat", {"messages": CHAT, "temperature": 1e308}),
+    "repetition_penalty 1e-38": ("completions", {"prompt": PROMPT, "repetition_penalty": 1e-38, "logprobs": 5}),
+    "repetition_penalty 1e308": ("chat", {"messages": CHAT, "repetition_penalty": 1e308, "logprobs": True,
+                                          "top_logprobs": 5}),
+    "top_p 1e-45": ("completions", {"prompt": PROMPT, "top_p": 1e-45, "stream": True}),
+    "top_k 1 with logprobs": ("completions", {"prompt": PROMPT, "top_k": 1, "logprobs": 3, "stream": True}),
+    "unknown fields": ("chat", {"messages": CHAT, "guided_json": {"x": 1}, "foo": None}),
+    "longest stop sequence": ("chat", {"messages": CHAT, "stop": ["z" * 1024], "stream": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_fields_generate(server, case):
+    route, body = HOSTILE[case]
+    r = post(server.url, openai_body(route, body), path_of(route))
+    assert r.status_code == 200, r.text[:500]
+    if body.get("stream"):
+        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and all("error" not in strict_json(x) for x in lines[:-1])
+    else:
+        assert strict_json(r.text)["usage"]["completion_tokens"] >= 1
+
+
+def test_masked_alternatives_are_finite_logprobs(client):
+    r = client.completions.create(model="cb", prompt=PROMPT, max_tokens=3, logprobs=3, extra_body={"top_k": 1})
+    for top in r.choices[0].logprobs.top_logprobs:
+        assert sorted(top.values())[:2] == [-9999.0, -9999.0]
+    assert all(x == pytest.approx(0.0, abs=1e-5) for x in r.choices[0].logprobs.token_logprobs)
+
+
+def test_tiny_temperature_is_greedy(client):
+    def text(temperature):
+        return client.completions.create(model="cb", prompt=PROMPT, max_tokens=8, temperature=temperature,
+                                         seed=3).choices[0].text
+    assert text(1e-38) == text(0)
+
+
+@pytest.mark.parametrize("max_tokens", ["absent", None])
+def test_completion_max_tokens_defaults_to_16(server, max_tokens):
+    body = {"model": "cb", "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    if max_tokens != "absent":
+        body["max_tokens"] = max_tokens
+    r = post(server.url, body, "/v1/completions")
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
 
 
 def test_malformed_json_is_openai_shaped(server):
