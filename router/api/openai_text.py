@@ -25,7 +25,11 @@ class TextStream:
             if found:
                 end = min(found)
             elif not finished:
-                end -= max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+                # Only unsent text can be held back (by the same invariant), so only that much is tried: the
+                # work per token is its own length, not the stop sequences' (up to MAX_STOP_CHARS each).
+                unsent = end - self.sent
+                end -= max((k for s in self.stop for k in range(1, min(len(s), unsent + 1))
+                            if self.text.endswith(s[:k])), default=0)
         delta = self.text[self.sent:max(end, self.sent)]
         self.sent += len(delta)
         return delta
