@@ -21,12 +21,13 @@ def serve(settings: Settings, model_dir: str, sockets: list[str]) -> None:
     import uvicorn
 
     from router.api.guards import Guards
+    from router.api.slow_clients import TimedH11Protocol
 
     key = api_key(settings)
     svc = service(settings, model_dir)
     app = http_app(settings, svc, sockets)
     config = uvicorn.Config(Guards(app, key, settings.payload_limit), host=settings.hostname,
-                            port=settings.port, log_level="warning",
+                            port=settings.port, log_level="warning", http=TimedH11Protocol,
                             timeout_graceful_shutdown=STREAM_CLOSE_TIMEOUT)
     Server(config, svc, settings.graceful_timeout).run()
 

@@ -41,7 +41,7 @@ class Shards:
         await self.close()
         self._connect()
 
-    async def _every(self, method: str, request, timeout: float, measured: bool = True) -> list:
+    async def _every(self, method: str, request, timeout: float) -> list:
         calls = [getattr(stub, method)(request, timeout=timeout) for stub in self.stubs]
         started = time.monotonic()
         try:
@@ -51,7 +51,7 @@ class Shards:
                 c.cancel()
             missed = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             raise ShardError(f"{method}: {e.code().name}: {e.details()}", missed) from e
-        self.deadline.answered(time.monotonic() - started if measured else 0.0)
+        self.deadline.answered(time.monotonic() - started)
         return answers
 
     async def _all(self, method: str, request):
@@ -76,13 +76,14 @@ class Shards:
         return all(await asyncio.gather(*[one(stub) for stub in self.stubs]))
 
     async def warmup(self, **sizing) -> pb.WarmupResponse:
-        """Each shard sizes its own pools (WarmupRequest's fields); the usable pools are the smallest."""
+        """Each shard sizes its own pools (WarmupRequest's fields); the usable pools are the smallest. Its time
+        (a prefill of the largest step, and the pools' allocation) is the deadline's first measure."""
         request = pb.WarmupRequest(**sizing)
-        answers = await self._every("Warmup", request, WARMUP_TIMEOUT, measured=False)
+        answers = await self._every("Warmup", request, WARMUP_TIMEOUT)
         smallest = min(a.num_blocks for a in answers)
         if any(a.num_blocks != smallest for a in answers):
             request.num_blocks = smallest
-            answers = await self._every("Warmup", request, WARMUP_TIMEOUT, measured=False)
+            answers = await self._every("Warmup", request, WARMUP_TIMEOUT)
         return pb.WarmupResponse(num_blocks=smallest,
                                  num_window_blocks=min(a.num_window_blocks for a in answers),
                                  num_swap_blocks=min(a.num_swap_blocks for a in answers))

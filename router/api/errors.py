@@ -10,7 +10,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import metrics
 
-OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error",
                 422: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
@@ -61,7 +62,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request, exc: StarletteHTTPException):
-        kind = {400: "validation", 422: "validation", 413: "payload_too_large"}.get(exc.status_code, "http")
+        kinds = {400: "validation", 422: "validation", 408: "timeout", 413: "payload_too_large"}
+        kind = kinds.get(exc.status_code, "http")
         return error_response(request.url.path, exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(APIError)

@@ -1,12 +1,15 @@
-"""Checks made before a request reaches a route: the API key and the payload limit (pure ASGI, so streaming
-responses and disconnect detection pass through untouched)."""
+"""Checks made before a request reaches a route: the API key, the payload limit and the body's time limit (pure
+ASGI, so streaming responses and disconnect detection pass through untouched)."""
+import asyncio
 import hmac
 import json
+import time
 from typing import Optional
 
 from starlette.exceptions import HTTPException
 
 from router.api.errors import error_body, is_openai
+from router.api.slow_clients import BODY_TIMEOUT
 
 OPEN_PATHS = {"/health", "/metrics", "/info"}
 
@@ -30,17 +33,30 @@ class Guards:
         if length is not None and length.isdigit() and int(length) > self.payload_limit:
             return await _refuse(send, scope, 413, f"Payload too large: the limit is {self.payload_limit} bytes",
                                  "payload_too_large")
-        seen = 0
+        seen, whole, give_up = 0, False, time.monotonic() + BODY_TIMEOUT
 
         async def limited_receive():
-            nonlocal seen
-            message = await receive()
+            """The body, within the payload limit and BODY_TIMEOUT; after it, receive() as it is (it also
+            reports disconnects while a response streams, which may take any time)."""
+            nonlocal seen, whole
+            if whole:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, give_up - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise BodyTooSlow() from None
             seen += len(message.get("body", b""))
+            whole = not message.get("more_body", False)
             if seen > self.payload_limit:
                 raise PayloadTooLarge(self.payload_limit)
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class BodyTooSlow(HTTPException):
+    def __init__(self):
+        super().__init__(408, f"Request timeout: the body did not arrive within {BODY_TIMEOUT:.0f} s")
 
 
 class PayloadTooLarge(HTTPException):
