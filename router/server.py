@@ -191,6 +191,8 @@ class Server:
         engine = self.svc.engine
         log.info("%s: draining; %d request(s) in flight get up to %.0f s to finish", name, len(engine.jobs),
                  self.graceful_timeout)
+        if engine.recovering:  # the launcher gave up on the shards, or stops us while they restart
+            engine.end_all("the server is stopping while its shards are being replaced")
         give_up = time.monotonic() + self.graceful_timeout
         while engine.jobs and time.monotonic() < give_up:
             await asyncio.sleep(0.1)
