@@ -10,6 +10,7 @@ history, as after a soft reset. When every shard is alive and a step still fails
 """
 import asyncio
 import logging
+import time
 from typing import Optional
 
 from router import metrics
@@ -38,6 +39,7 @@ class Engine:
         self._seen_lookups = self._seen_hits = 0
         self.recovering = False
         self.failed = False  # the shards failed and were not replaced; cleared by the next answer
+        self.answered_at: Optional[float] = None  # when the last step's answer came, while requests run
 
     def submit(self, job: Job) -> None:
         self.jobs[job.id] = job
@@ -83,23 +85,34 @@ class Engine:
             if not self.busy:
                 await self._idle()
                 continue
+            began = time.perf_counter()
             step = self.scheduler.schedule()
             self.trace.step(step)
+            planning = time.perf_counter() - began
             try:
                 await self._move(step)
                 if not step.entries:
                     await self._idle()
                     continue
+                self._observe_gap()
                 resp = await self.shards.step(step, self.jobs)
             except ShardError as e:
                 await self._shard_failed(e, step)
                 continue
+            self.answered_at = time.perf_counter()
             self.failed = False
             metrics.observe_step(step, resp)
             self._apply(step, resp)
+            metrics.router_step.observe(planning + time.perf_counter() - self.answered_at)
+
+    def _observe_gap(self) -> None:
+        """The shards' idle time between two steps while requests run: the router's work, its other calls."""
+        if self.answered_at is not None:
+            metrics.step_gap.observe(time.perf_counter() - self.answered_at)
 
     async def _idle(self) -> None:
         """Waits for work; every PROBE_INTERVAL without any, checks that the shards still answer."""
+        self.answered_at = None  # waiting for work is not a gap between steps
         self.wake.clear()
         try:
             await asyncio.wait_for(self.wake.wait(), PROBE_INTERVAL)
