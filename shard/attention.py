@@ -82,6 +82,7 @@ class StepLayout:
     full: PoolStep
     window: PoolStep | None  # hybrid models: the sliding-window layers' pool
     cache: list[tuple[bool, torch.Tensor, torch.Tensor]]  # per layer (in the window pool, k, v), see KVCache
+    tokens: int  # the real tokens; rows after them pad the step to its bucket (layout.py)
 
 
 _current: StepLayout | None = None
@@ -113,6 +114,7 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
     heads, tokens = query.shape[0], query.shape[1]
     q = query.view(hkv, heads // hkv, tokens, dim)
     out = torch.empty_like(q)
+    out[:, :, _current.tokens:] = 0  # padding rows: no group writes them
     scale = scaling if scaling is not None else dim ** -0.5
     for i, grp in enumerate(step.groups):
         with scope("attention::gather"):

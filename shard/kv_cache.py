@@ -33,11 +33,13 @@ class KVCache:
     def __init__(self, sliding: list[bool], num_blocks: int, num_window_blocks: int, block_size: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         """sliding[i]: layer i attends within the sliding window (and so lives in the window pool)."""
-        def pool(layers: int, blocks: int) -> torch.Tensor:
-            return torch.zeros((layers, 2, kv_heads, blocks, block_size, head_dim), dtype=dtype, device=device)
+        def pool(layers: int, blocks: int) -> torch.Tensor:  # one more block: the padding's scratch (layout.py)
+            return torch.zeros((layers, 2, kv_heads, blocks + 1, block_size, head_dim), dtype=dtype, device=device)
 
         self.full = pool(sliding.count(False), num_blocks)
         self.window: torch.Tensor | None = pool(sliding.count(True), num_window_blocks) if any(sliding) else None
+        self.num_blocks, self.num_window_blocks = num_blocks, num_window_blocks  # the router's to allocate
+        self.scratch_slot = (num_blocks * block_size, num_window_blocks * block_size)  # (full, window) pools
         # layer index -> (pool, index in pool)
         self.where: list[tuple[torch.Tensor, int]] = []
         for s in sliding:

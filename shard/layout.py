@@ -1,5 +1,12 @@
 """Builds a step's attention layout: where each new token's keys and values go in each pool, and the padded
-groups (decodes, prompt chunks) each attention call runs over. See attention.py for how layers read it."""
+groups (decodes, prompt chunks) each attention call runs over. See attention.py for how layers read it.
+
+A step's token count is padded up to a bucket (`bucket`): at most 7 more rows below 128 and 12.5% more beyond,
+so a server only ever runs a few dozen distinct shapes. oneDNN builds and caches a kernel per (shape, weight),
+so unpadded steps of every size from 1 to a few thousand grew a shard's RSS by ~3 MB per new size, up to its
+two 1,024-entry caches, and paid a kernel build on each new size. Padded tokens write their keys and values
+into a scratch block no request owns and belong to no attention group; their logits are never computed.
+"""
 import torch
 
 from shard.attention import Group, PoolStep, StepLayout
@@ -10,16 +17,26 @@ def slots(table: list[int], base: int, pos: torch.Tensor, block_size: int) -> to
     return torch.tensor(table)[pos // block_size - base] * block_size + pos % block_size
 
 
+def bucket(tokens: int) -> int:
+    """The padded size of a step of `tokens` tokens: 1, 2, 4, 8, then multiples of 8 up to 128 and of a
+    sixteenth of the next power of two beyond (144, 160, ..., 256, 288, ...)."""
+    if tokens <= 8:
+        return 1 << max(tokens - 1, 0).bit_length()
+    step = max(8, 1 << ((tokens - 1).bit_length() - 4))
+    return -(-tokens // step) * step
+
+
 def build(members: list[list[tuple]], full_slots: list[torch.Tensor], window_slots: list[torch.Tensor] | None,
-          cache, block_size: int, device: torch.device) -> StepLayout:
-    """members: the groups, each a list of (offset in the ragged batch, tokens, RequestState)."""
+          cache, block_size: int, device: torch.device, tokens: int) -> StepLayout:
+    """members: the groups, each a list of (offset in the ragged batch, tokens, RequestState); tokens: the
+    step's real tokens (the rows after them are padding)."""
     def pool_step(token_slots: list[torch.Tensor], window: bool) -> PoolStep:
         return PoolStep(torch.cat(token_slots).to(device), [_group(g, window, block_size, device) for g in members],
                         block_size, {})
 
     return StepLayout(full=pool_step(full_slots, False),
                       window=pool_step(window_slots, True) if window_slots is not None else None,
-                      cache=cache.layers)
+                      cache=cache.layers, tokens=tokens)
 
 
 def _group(members, window: bool, block_size: int, device: torch.device) -> Group:

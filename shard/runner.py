@@ -107,7 +107,8 @@ class Runner:
         return prefill, sampled
 
     def _batch(self, entries: list[Entry], states: list[RequestState]):
-        """The ragged batch: token ids and positions [T], the rows whose logits are kept, the layout."""
+        """The ragged batch, padded to its bucket: token ids and positions [T], the rows whose logits are kept,
+        the layout."""
         windowed = self.cache.window is not None
         ids, positions, slots, window_slots, keep = [], [], [], [], []
         decode, chunks = [], []
@@ -126,8 +127,15 @@ class Runner:
             elif e.sample:
                 keep.append(offset + n - 1)
             offset += n
+        pad = layout.bucket(offset) - offset
+        if pad:
+            ids.append(torch.zeros(pad, dtype=torch.long))
+            positions.append(torch.zeros(pad, dtype=torch.long))
+            slots.append(torch.full((pad,), self.cache.scratch_slot[0]))
+            if windowed:
+                window_slots.append(torch.full((pad,), self.cache.scratch_slot[1]))
         step_layout = layout.build([g for g in (decode, chunks) if g], slots, window_slots if windowed else None,
-                                   self.cache, self.block_size, self.device)
+                                   self.cache, self.block_size, self.device, offset)
         return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:

@@ -74,8 +74,9 @@ def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
 def test_pools_split_by_layer_type(runner):
     cache = runner.cache
     window_blocks = BATCH * (ceil_div(WINDOW - 1, BS) + 2) + ceil_div(PREFILL, BS)  # the bound size_pools explains
-    assert cache.full.shape == (1, 2, 1, BLOCKS, BS, 32)
-    assert cache.window.shape == (3, 2, 1, window_blocks, BS, 32)
+    assert (cache.num_blocks, cache.num_window_blocks) == (BLOCKS, window_blocks)
+    assert cache.full.shape == (1, 2, 1, BLOCKS + 1, BS, 32)  # + the padding's scratch block
+    assert cache.window.shape == (3, 2, 1, window_blocks + 1, BS, 32)
     assert [(p is cache.window, j) for p, j in cache.where] == [(True, 0), (True, 1), (False, 0), (True, 2)]
 
 
@@ -86,7 +87,7 @@ def test_greedy_beyond_the_window_equals_transformers(runner, reference):
     prompts = [torch.randint(3, 256, (3 * WINDOW,), generator=gen).tolist(),
                torch.randint(3, 256, (2 * WINDOW + 3,), generator=gen).tolist()]
     reqs = [Request(p, n, reuse_prefix=False) for p, n in zip(prompts, (20, 30))]
-    kv = KVManager(BLOCKS, BS, window=WINDOW, window_blocks=runner.cache.window.shape[3])
+    kv = KVManager(BLOCKS, BS, window=WINDOW, window_blocks=runner.cache.num_window_blocks)
     sched = Scheduler(Budget(PREFILL, BLOCKS * BS, BATCH, 0.0, 0), kv)
     jobs = {r.id: Job(r, pb.SamplingParameters(prefill_logprobs=True), None, frozenset()) for r in reqs}
     scored: dict[int, list[float]] = {r.id: [] for r in reqs}
