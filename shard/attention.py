@@ -31,6 +31,7 @@ class Group:
     query_pos: torch.Tensor    # [B, Q] position of each query in its sequence
     kv_len: torch.Tensor       # [B] tokens visible to the request after this step
     key_start: torch.Tensor    # [B] position of the first key in the block table (0 but in the window pool)
+    members: int               # the real requests: the first `members` of B (decode groups are padded, layout.py)
     dense: tuple[int, int] | None = None  # (first row, count) when the group is one query each, rows consecutive
 
     def mask(self, block_size: int, window: int | None) -> torch.Tensor:
@@ -121,8 +122,10 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
             kg, vg = step.gather(i, k_cache), step.gather(i, v_cache)
         with scope("attention::attend"):
             if grp.rows.shape[1] == 1:  # decodes: consecutive rows are a plain slice, no indexing
-                rows = slice(grp.dense[0], grp.dense[0] + grp.dense[1]) if grp.dense else grp.rows[:, 0]
-                out[:, :, rows] = _decodes(q[:, :, rows], kg, vg, step.mask(i, window), scale)
+                n = grp.members
+                rows = slice(grp.dense[0], grp.dense[0] + n) if grp.dense else grp.rows[:n, 0]
+                qd = F.pad(q[:, :, rows], (0, 0, 0, grp.rows.shape[0] - n))  # padding members: zero queries
+                out[:, :, rows] = _decodes(qd, kg, vg, step.mask(i, window), scale)[:, :, :n]
             else:
                 og = _chunks(q[:, :, grp.rows], kg, vg, step.mask(i, window), scale)
                 out[:, :, grp.rows[grp.valid]] = og[:, :, grp.valid]

@@ -17,13 +17,13 @@ def slots(table: list[int], base: int, pos: torch.Tensor, block_size: int) -> to
     return torch.tensor(table)[pos // block_size - base] * block_size + pos % block_size
 
 
-def bucket(tokens: int) -> int:
-    """The padded size of a step of `tokens` tokens: 1, 2, 4, 8, then multiples of 8 up to 128 and of a
-    sixteenth of the next power of two beyond (144, 160, ..., 256, 288, ...)."""
-    if tokens <= 8:
-        return 1 << max(tokens - 1, 0).bit_length()
-    step = max(8, 1 << ((tokens - 1).bit_length() - 4))
-    return -(-tokens // step) * step
+def bucket(n: int, fine: int = 8) -> int:
+    """n padded up: the powers of two up to `fine`, then multiples of `fine` up to 16 * fine and of a sixteenth
+    of the next power of two beyond. For step tokens (fine 8): 1, 2, 4, 8, 16, 24, ..., 128, 144, ..., 256, 288."""
+    if n <= fine:
+        return 1 << max(n - 1, 0).bit_length()
+    step = max(fine, 1 << max((n - 1).bit_length() - 4, 0))
+    return -(-n // step) * step
 
 
 def build(members: list[list[tuple]], full_slots: list[torch.Tensor], window_slots: list[torch.Tensor] | None,
@@ -44,12 +44,15 @@ def _group(members, window: bool, block_size: int, device: torch.device) -> Grou
     tables = [st.window_blocks if window else st.blocks for _, _, st in members]
     width = max(len(t) for t in tables)
     q = max(n for _, n, _ in members)
-    rows = torch.zeros(len(members), q, dtype=torch.long)
-    valid = torch.zeros(len(members), q, dtype=torch.bool)
-    padded = torch.zeros(len(members), width, dtype=torch.long)
-    qpos = torch.zeros(len(members), q, dtype=torch.long)
-    kv_len = torch.zeros(len(members), dtype=torch.long)
-    key_start = torch.zeros(len(members), dtype=torch.long)
+    size = len(members)
+    if q == 1:  # decodes attend through batched matmuls, which oneDNN builds and caches per shape: pad both
+        size, width = bucket(size, 4), bucket(width, 4)
+    rows = torch.zeros(size, q, dtype=torch.long)
+    valid = torch.zeros(size, q, dtype=torch.bool)
+    padded = torch.zeros(size, width, dtype=torch.long)
+    qpos = torch.zeros(size, q, dtype=torch.long)
+    kv_len = torch.zeros(size, dtype=torch.long)
+    key_start = torch.zeros(size, dtype=torch.long)
     for i, ((offset, n, st), table) in enumerate(zip(members, tables)):
         rows[i, :n] = torch.arange(offset, offset + n)
         valid[i, :n] = True
@@ -60,4 +63,4 @@ def _group(members, window: bool, block_size: int, device: torch.device) -> Grou
     offsets = [offset for offset, _, _ in members]
     dense = (offsets[0], len(members)) if q == 1 and offsets == list(range(offsets[0], offsets[0] + len(members))) \
         else None
-    return Group(rows.to(device), valid.to(device), padded.to(device), qpos, kv_len, key_start, dense)
+    return Group(rows.to(device), valid.to(device), padded.to(device), qpos, kv_len, key_start, len(members), dense)
