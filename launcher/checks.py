@@ -1,9 +1,10 @@
 """What the launcher refuses before it spawns anything: mistakes that would otherwise surface only after every
 shard has loaded, buried in a child's traceback. Each rule is the one its process applies (imported from it, not
-restated): the shards' split rule, the router's reading of the API key."""
+restated): the shards' split rule, the router's reading of the API key, its pacer's ratio."""
 import json
 from pathlib import Path
 
+from router.core.pacing import Pacer
 from router.server import api_key
 from router.settings import Settings
 from shard.split_rule import SplitWidths, check_shard_count
@@ -16,6 +17,8 @@ class LaunchError(Exception):
 def check_launch(settings: Settings, model_dir: Path) -> None:
     try:
         api_key(settings)
+        if settings.prefill_step_ratio:
+            Pacer(settings.prefill_step_ratio)
         if settings.num_shard > 1:
             check_shard_count(split_widths(model_dir, settings), settings.num_shard, settings.model_id)
     except ValueError as error:

@@ -95,6 +95,7 @@ class Engine:
                     await self._idle()
                     continue
                 self._observe_gap()
+                sent = time.perf_counter()
                 resp = await self.shards.step(step, self.jobs)
             except ShardError as e:
                 await self._shard_failed(e, step)
@@ -102,7 +103,8 @@ class Engine:
             self.answered_at = time.perf_counter()
             self.failed = False
             metrics.observe_step(step, resp)
-            self._apply(step, resp)
+            self.trace.ran(self.answered_at - sent)
+            self._apply(step, resp, self.answered_at - sent)
             metrics.router_step.observe(planning + time.perf_counter() - self.answered_at)
 
     def _observe_gap(self) -> None:
@@ -123,12 +125,12 @@ class Engine:
             except ShardError as e:
                 await self._shard_failed(e)
 
-    def _apply(self, step: Step, resp) -> None:
+    def _apply(self, step: Step, resp, seconds: float) -> None:
         """The step's outcome: prompt logprobs, then the tokens, through the scheduler, to the jobs."""
         for p in resp.prefill:
             if p.id in self.jobs:
                 self.jobs[p.id].on_prefill(p.logprobs)
-        outcome, pieces = Outcome(), {}
+        outcome, pieces = Outcome(seconds=seconds), {}
         for g in resp.generations:
             job = self.jobs.get(g.id)
             if job is not None and job.finish_reason is None:

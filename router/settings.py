@@ -48,6 +48,10 @@ class Settings:
                                           min=0.0)
     max_waiting_tokens: int = setting(20, "steps after which waiting requests are admitted whatever the ratio",
                                       min=0)
+    prefill_step_ratio: float = setting(2.0, "while requests decode, a step that also computes prompt tokens may "
+                                        "take at most this many times their step alone (a cost model fitted to the "
+                                        "steps run sizes its prompt chunk, at least 16 tokens); 0 turns it off, "
+                                        "else above 1", min=0.0)
     scheduler: str = setting("fifo", "order of work within a step: fifo (decodes first) or prefill_first "
                              "(chunked prompts first)", choices=tuple(POLICIES))
     safety_margin: Optional[float] = setting(None, "hold new prompts while free KV blocks are below this fraction "

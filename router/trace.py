@@ -1,5 +1,6 @@
 """A JSON-lines record of every scheduling decision, so the simulator can replay the same arrivals through
-the same scheduler code and be checked against what the live router did."""
+the same scheduler code and be checked against what the live router did. Each line also carries how long the
+step before it took, as the pacer saw it, so a replay paces its prompt chunks exactly as the live router did."""
 import json
 import time
 from typing import Optional, TextIO
@@ -13,6 +14,7 @@ class Trace:
         self.out = out
         self.arrivals: list[dict] = []
         self.finished: list[list[int]] = []
+        self.took: Optional[float] = None
         self.steps = 0
 
     def arrive(self, req: Request) -> None:
@@ -24,16 +26,21 @@ class Trace:
         if self.out:
             self.finished.append([req.id, len(req.generated)])
 
+    def ran(self, seconds: float) -> None:
+        """The last step's measured time (what the pacer learned from), written with the next line."""
+        self.took = seconds
+
     def step(self, step: Step) -> None:
         """Written after retirements and arrivals are known and the scheduler has decided."""
         if not self.out:
             return
         self.out.write(json.dumps({
-            "step": self.steps, "time": time.monotonic(), "arrivals": self.arrivals, "finished": self.finished,
+            "step": self.steps, "time": time.monotonic(), "took": self.took, "arrivals": self.arrivals,
+            "finished": self.finished,
             "entries": [[e.request.id, e.start, e.num_tokens, e.sample] for e in step.entries],
             "preempted": [r.id for r in step.preempted],
             "offloaded": [r.id for r in step.offloaded], "restored": [r.id for r in step.restored],
         }) + "\n")
         self.out.flush()
-        self.arrivals, self.finished = [], []
+        self.arrivals, self.finished, self.took = [], [], None
         self.steps += 1

@@ -29,7 +29,8 @@ def trace_requests(lines: list[dict]) -> tuple[list[Req], list[int]]:
 
 # The settings that shape scheduling decisions (their names in router/settings.py and in /info).
 SCHEDULING = ("max_batch_size", "max_batch_prefill_tokens", "max_batch_total_tokens", "waiting_served_ratio",
-              "max_waiting_tokens", "block_size", "num_blocks", "prefix_caching", "scheduler", "safety_margin")
+              "max_waiting_tokens", "block_size", "num_blocks", "prefix_caching", "scheduler", "safety_margin",
+              "prefill_step_ratio")
 
 
 def simulation_args(values: dict, swap_blocks: int = 0) -> dict:
@@ -41,7 +42,7 @@ def simulation_args(values: dict, swap_blocks: int = 0) -> dict:
                              values["waiting_served_ratio"], values["max_waiting_tokens"]),
             "num_blocks": values["num_blocks"] or ceil_div(total, bs), "block_size": bs,
             "prefix_caching": values["prefix_caching"], "policy": values["scheduler"], "safety_margin": margin,
-            "swap_blocks": swap_blocks}
+            "swap_blocks": swap_blocks, "prefill_step_ratio": values["prefill_step_ratio"]}
 
 
 def server_config(info: Info) -> dict:
@@ -55,7 +56,7 @@ def replay(lines: list[dict], budget: Budget, num_blocks: int, block_size: int,
     `options`: the traced server's policy, safety_margin and swap_blocks (see server_config)."""
     reqs, at_steps = trace_requests(lines)
     sim = simulate_continuous(reqs, budget, num_blocks, block_size, cost, at_steps=at_steps, record=True,
-                              prefix_caching=prefix_caching, **options)
+                              prefix_caching=prefix_caching, took=[line.get("took") for line in lines], **options)
     diffs = []
     for k, (live, mine) in enumerate(zip(lines, sim.decisions)):
         for key in ("entries", "preempted", "offloaded", "restored", "finished"):

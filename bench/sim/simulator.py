@@ -17,6 +17,7 @@ from bench.sim.cost_model import CostModel
 from bench.stats import new_record, summarize
 from bench.workloads import Req
 from router.core.kv import KVManager
+from router.core.pacing import Pacer
 from router.core.request import Request
 from router.core.scheduler import Budget, Scheduler
 from router.core.step import Outcome, Step
@@ -93,9 +94,10 @@ class _Continuous:
     """One simulated run: arrivals → schedule() → a forward costed by the model → update(), as the engine does."""
 
     def __init__(self, reqs: list[Req], sched: Scheduler, cost: CostModel, times: list[float],
-                 at_steps: Optional[list[int]], record: bool):
-        self.reqs, self.sched, self.cost, self.times, self.at_steps, self.record = \
-            reqs, sched, cost, times, at_steps, record
+                 at_steps: Optional[list[int]], record: bool, took: Optional[list[Optional[float]]] = None):
+        """took: replaying a trace, its lines' measured times of the step before each (what the pacer saw)."""
+        self.reqs, self.sched, self.cost, self.times, self.at_steps, self.record, self.took = \
+            reqs, sched, cost, times, at_steps, record, took
         keys = at_steps if at_steps is not None else times
         self.pending = deque(sorted(range(len(reqs)), key=lambda i: (keys[i], i)))
         self.res = SimResult("continuous", [], sched.budget.max_batch_size)
@@ -104,6 +106,7 @@ class _Continuous:
         self.retired: list[list[int]] = []  # [id, generated] since the last schedule() call, as the trace has them
         self.arrived: list[dict] = []       # requests added since the last schedule() call, as the trace has them
         self.now, self.calls = 0.0, 0
+        self.last_took: Optional[float] = None  # the last step's time as the pacer saw it, for the next line
 
     def add(self, i: int) -> None:
         r = self.reqs[i]
@@ -134,11 +137,12 @@ class _Continuous:
         self.res.offloads += len(step.offloaded)
         if self.record:  # the live trace's format (router/trace.py): a simulated run can be replayed or fitted
             self.res.decisions.append({
-                "step": self.calls - 1, "time": self.now, "arrivals": self.arrived, "finished": self.retired,
+                "step": self.calls - 1, "time": self.now, "took": self.last_took, "arrivals": self.arrived,
+                "finished": self.retired,
                 "entries": [[e.request.id, e.start, e.num_tokens, e.sample] for e in step.entries],
                 "preempted": [r.id for r in step.preempted], "offloaded": [r.id for r in step.offloaded],
                 "restored": [r.id for r in step.restored]})
-        self.retired, self.arrived = [], []
+        self.retired, self.arrived, self.last_took = [], [], None
         for e in step.entries:
             rec = self.records[e.request.id]
             if rec["wait"] is None:
@@ -147,10 +151,14 @@ class _Continuous:
 
     def run_step(self, step: Step) -> None:
         """The simulated shard: the step costs what the model says and samples token 0 (never a stop token)."""
-        self.now += self.cost.step_time((e.start, e.num_tokens) for e in step.entries)
+        seconds = self.cost.step_time((e.start, e.num_tokens) for e in step.entries)
+        self.now += seconds
+        if self.took is not None:  # the pacer learns what the live one learned
+            seconds = (self.took[self.calls] if self.calls < len(self.took) else None) or 0.0
+        self.last_took = seconds
         self.res.steps += 1
         sampled = [e.request for e in step.entries if e.sample]
-        finished = self.sched.update(step, Outcome(tokens={r.id: 0 for r in sampled}))
+        finished = self.sched.update(step, Outcome(tokens={r.id: 0 for r in sampled}, seconds=seconds))
         for r in sampled:
             self.res.generated += 1
             _on_token(self.records[r.id], self.arrived_at[r.id], self.now)
@@ -181,13 +189,17 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
                         cost: Optional[CostModel] = None, times: Optional[list[float]] = None,
                         at_steps: Optional[list[int]] = None, record: bool = False,
                         prefix_caching: bool = True, policy: str = "fifo", safety_margin: float = 0.0,
-                        swap_blocks: int = 0) -> SimResult:
+                        swap_blocks: int = 0, prefill_step_ratio: float = 0.0,
+                        took: Optional[list[Optional[float]]] = None) -> SimResult:
     """Continuous batching through the production Scheduler and KVManager. `times`: arrival offsets (default all
     at 0); `at_steps`: instead, the index of the schedule() call each request arrives just before (trace replay).
-    The simulator knows lengths, not texts: requests without ids never share prefix blocks with each other."""
+    The simulator knows lengths, not texts: requests without ids never share prefix blocks with each other.
+    prefill_step_ratio: the router's pacer (router/core/pacing.py), learning the cost model's step times, or with
+    `took` (a replay) the live ones."""
     kv = KVManager(num_blocks, block_size, prefix_caching, swap_blocks)
-    sched = Scheduler(budget, kv, policy, safety_margin)
-    return _Continuous(reqs, sched, cost or CostModel.steps(), times or [0.0] * len(reqs), at_steps, record).run()
+    sched = Scheduler(budget, kv, policy, safety_margin, Pacer(prefill_step_ratio) if prefill_step_ratio else None)
+    return _Continuous(reqs, sched, cost or CostModel.steps(), times or [0.0] * len(reqs), at_steps, record,
+                       took).run()
 
 
 def simulate_static(reqs: list[Req], batch_size: int, cost: Optional[CostModel] = None,

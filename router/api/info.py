@@ -27,6 +27,7 @@ class Info(BaseModel):
     num_window_blocks: int
     scheduler: str
     safety_margin: float
+    prefill_step_ratio: float = 0.0  # 0: prompt chunks bounded by max_batch_prefill_tokens alone
     prefix_caching: bool
     max_stop_sequences: int
     max_top_n_tokens: int

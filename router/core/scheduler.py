@@ -13,6 +13,8 @@ A step serves, in this order:
    margin of the pool (running requests keep the rest; ignored when nothing runs); with requests running it
    waits until waiting_served_ratio waiting requests per running one are queued or max_waiting_tokens steps
    have passed since the last admission (TGI's rule).
+While requests decode, the prompt tokens of a step (chunks, restores and admissions together) are also bounded
+by the pacer (pacing.py), so the decodes' step stays within a multiple of its time without them.
 
 Eviction: when a running decode cannot get its next block, the worst-ranked running request not yet scheduled
 this step (lowest priority, newest) is evicted, repeatedly, until it fits; only requests ranked below the
@@ -23,7 +25,8 @@ tokens join its prompt, it waits by rank).
 If nothing at all could be scheduled, the worst-ranked running request is evicted and the step planned again.
 
 After the step ran, `update` applies its outcome: the one place where a sampled token joins its request and the
-request finishes (a stop token, a stop sequence, max_new_tokens) and leaves. The engine, the simulator and the
+request finishes (a stop token, a stop sequence, max_new_tokens) and leaves, and the pacer learns how long
+the step took. The engine, the simulator and the
 tests all drive the scheduler through schedule() and update(). Every block decision goes through the KV
 manager (kv.py). Pure Python: no torch, no grpc, no asyncio.
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from router.core.kv import KVManager
+from router.core.pacing import Pacer
 from router.core.request import Request, State
 from router.core.step import Entry, Outcome, Step
 
@@ -53,13 +57,15 @@ def _rank(r: Request) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, budget: Budget, kv: KVManager, policy: str = "fifo", safety_margin: float = 0.0):
+    def __init__(self, budget: Budget, kv: KVManager, policy: str = "fifo", safety_margin: float = 0.0,
+                 pacer: Optional[Pacer] = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduler policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.budget = budget
         self.kv = kv
         self.policy = policy
         self.safety_margin = safety_margin
+        self.pacer = pacer
         self.waiting: list[Request] = []    # by rank
         self.offloaded: list[Request] = []  # by rank
         self.running: list[Request] = []
@@ -88,6 +94,8 @@ class Scheduler:
         """Applies a step's outcome: each sampled token joins its request, which finishes on a stop token, on a
         stop sequence or at max_new_tokens, in that order of precedence. Returns the requests that finished;
         they have already left and freed their blocks."""
+        if self.pacer is not None and outcome.seconds:
+            self.pacer.observe(step.decodes, step.prefill_tokens, outcome.seconds)
         finished = []
         for e in step.entries:
             req = e.request
@@ -118,9 +126,9 @@ class Scheduler:
     def _plan(self, step: Step) -> None:
         held = self.held_tokens
         scheduled: set[int] = set()
-        prefill_left = self.budget.max_batch_prefill_tokens
         running = sorted(self.running, key=_rank)
         decodes = [r for r in running if r.is_decoding]
+        prefill_left = self.prompt_budget(len(decodes))
         chunks = [r for r in running if not r.is_decoding]
         for group in (decodes, chunks) if self.policy == "fifo" else (chunks, decodes):
             for req in group:
@@ -143,6 +151,12 @@ class Scheduler:
             prefill_left, held = self._restore(step, scheduled, prefill_left, held)
             admitted = self._admit(step, scheduled, prefill_left, held)
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
+
+    def prompt_budget(self, decodes: int) -> int:
+        """Prompt tokens a step beside `decodes` decodes may compute: the budget, or less as the pacer says."""
+        paced = self.pacer.prompt_tokens(decodes) if self.pacer is not None else None
+        return self.budget.max_batch_prefill_tokens if paced is None else min(paced,
+                                                                              self.budget.max_batch_prefill_tokens)
 
     def _restore(self, step: Step, scheduled: set[int], prefill_left: int, held: int) -> tuple[int, int]:
         """Brings offloaded requests back, best rank first, while their blocks and their next step fit."""

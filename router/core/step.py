@@ -37,6 +37,10 @@ class Step:
         return sum(e.num_tokens for e in self.entries if not e.decode)
 
     @property
+    def decodes(self) -> int:
+        return sum(1 for e in self.entries if e.decode)
+
+    @property
     def has_prefill(self) -> bool:
         return any(not e.decode for e in self.entries)
 
@@ -48,6 +52,7 @@ class Step:
 @dataclass
 class Outcome:
     """What running a step produced: the token sampled for each request that sampled, and the requests whose
-    text now ends with a stop sequence (only the router's detokenizer can tell)."""
+    text now ends with a stop sequence (only the router's detokenizer can tell), and how long it took."""
     tokens: dict[int, int] = field(default_factory=dict)
     stopped: set[int] = field(default_factory=set)
+    seconds: float = 0.0  # how long the step took (0: not measured); the pacer learns from it

@@ -37,20 +37,22 @@ def check(s: Scheduler, step: Step) -> None:
         assert set(pool._free).isdisjoint(owned) and len(owned) + pool.num_free == pool.num_blocks
 
 
-def step(s: Scheduler) -> Step:
-    """One step: the scheduler's plan, checked, then its outcome applied (token 1000 + position)."""
+def step(s: Scheduler, cost=None) -> Step:
+    """One step: the scheduler's plan, checked, then its outcome applied (token 1000 + position), taking
+    cost(step) seconds when a fake cost model is given."""
     planned = s.schedule()
     check(s, planned)
-    s.update(planned, Outcome({e.request.id: 1000 + len(e.request.generated) for e in planned.entries if e.sample}))
+    s.update(planned, Outcome({e.request.id: 1000 + len(e.request.generated) for e in planned.entries if e.sample},
+                              seconds=cost(planned) if cost else 0.0))
     return planned
 
 
-def drain(s: Scheduler, limit: int = 10_000) -> list[Step]:
+def drain(s: Scheduler, limit: int = 10_000, cost=None) -> list[Step]:
     steps = []
     for _ in range(limit):
         if not s.busy:
             return steps
-        steps.append(step(s))
+        steps.append(step(s, cost))
     raise AssertionError("the scheduler never drained")
 
 

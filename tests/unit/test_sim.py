@@ -229,3 +229,19 @@ def test_a_soft_reset_request_finds_its_own_blocks_again():
     assert any(e[1] > 0 for e in resumptions(on)) and all(e[1] == 0 for e in resumptions(off))
     assert replay(on.decisions, b, 200, 16)[0] == []
     assert replay(off.decisions, b, 200, 16, prefix_caching=False)[0] == []
+
+
+def test_paced_runs_replay_identically_and_pace_chunks():
+    """With the pacer on, chunk sizes depend on measured step times; each trace line carries the time of the step
+    before it, so the replay's pacer learns the same and decides the same."""
+    reqs = [Req(i, 20, 60) for i in range(6)] + [Req(6, 900, 4)]
+    times = [0.0] * 6 + [0.5]
+    cost = CostModel(0.03, 0.001, 0.002)
+    b = budget(512, 1 << 16, 16)
+    sim = simulate_continuous(reqs, b, 4096, 16, cost, times, record=True, prefill_step_ratio=2.0)
+    long = [e[2] for d in sim.decisions for e in d["entries"] if e[0] == 6 and e[2] > 1]
+    assert sum(long) == 900 and max(long) < 512, "the long prompt is paced in chunks below the budget"
+    diffs, _ = replay(sim.decisions, b, 4096, 16, cost, prefill_step_ratio=2.0)
+    assert diffs == []
+    unpaced = simulate_continuous(reqs, b, 4096, 16, cost, times, record=True)
+    assert max(e[2] for d in unpaced.decisions for e in d["entries"] if e[0] == 6) == 512
