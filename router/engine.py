@@ -232,11 +232,7 @@ class Engine:
         cache state and clears every shard."""
         log.error("step failed: %s", message)
         held = {r.id for r in self.scheduler.running + self.scheduler.offloaded}
-        for job in [j for j in self.jobs.values() if j.id in (held if victims is None else victims)]:
-            job.fail(message)
-            self.scheduler.finish(job.request, "error")
-            del self.jobs[job.id]
-            metrics.outcomes.labels("error").inc()
+        self._end([j for j in self.jobs.values() if j.id in (held if victims is None else victims)], message)
         self._reset_all()
         try:
             await self.shards.clear()
@@ -245,7 +241,11 @@ class Engine:
 
     def end_all(self, message: str) -> None:
         """Shutdown: every request still here (running, waiting or offloaded) ends with an error event."""
-        for job in list(self.jobs.values()):
+        self._end(list(self.jobs.values()), message)
+
+    def _end(self, jobs: list[Job], message: str) -> None:
+        """These requests end with an error event and leave the scheduler."""
+        for job in jobs:
             job.fail(message)
             self.scheduler.finish(job.request, "error")
             del self.jobs[job.id]
