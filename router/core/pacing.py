@@ -5,45 +5,53 @@ A step that carries prompt tokens beside D decodes may take at most `ratio` time
 alone. Both sides come from a cost model of the steps this server actually ran, refitted after every step
 (older steps count less, so a busier machine or longer contexts shift it within a few dozen steps):
 
-    decode-only step(D)  ≈ base + per_decode · D         (least squares over decode-only steps)
-    per prompt token     ≈ Σ (t - decode-only step(D)) / Σ n   (over steps that carried n prompt tokens)
+    decode-only step(D) ≈ base + per_decode · D                     (over decode-only steps)
+    what prompt tokens add ≈ per_token · n + per_key · keys          (over steps that carried prompt tokens)
 
-so the step may carry n = (ratio - 1) · decode-only step(D) / per prompt token tokens, at least `min_tokens` (a
-prompt always moves on). With nothing decoding there is nobody to hold up: prompts take the whole
---max-batch-prefill-tokens. The token budgets stay upper bounds either way. Pure Python: the scheduler, the
-simulator and the tests use it as it is.
+where a chunk of n tokens after `start` cached ones reads keys = n · (start + (n + 1) / 2): late chunks of a long
+prompt cost more, as each of their tokens attends to everything before it. The step may then carry the largest n
+whose addition stays within (ratio - 1) · decode-only step(D), at least `min_tokens` (a prompt always moves on).
+With nothing decoding there is nobody to hold up: prompts take the whole --max-batch-prefill-tokens. The token
+budgets stay upper bounds either way. Pure Python: the scheduler, the simulator and the tests use it as it is.
 """
-from dataclasses import dataclass
-from typing import Optional
+import math
+from typing import Iterable, Optional
 
 DECAY = 0.97  # weight of a step seen k steps ago: DECAY**k (half-life ~23 steps)
 
 
-@dataclass
-class _Decayed:
-    """Decayed sums of one least-squares fit of y ≈ a + b·x."""
-    w: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
+class _Fit:
+    """Decayed least squares of y ≈ a·x1 + b·x2 (no intercept), both coefficients kept non-negative."""
 
-    def add(self, x: float, y: float) -> None:
-        for name in ("w", "x", "y", "xx", "xy"):
-            setattr(self, name, getattr(self, name) * DECAY)
-        self.w += 1
-        self.x += x
-        self.y += y
-        self.xx += x * x
-        self.xy += x * y
+    def __init__(self):
+        self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
 
-    def predict(self, x: float) -> Optional[float]:
-        if self.w == 0:
+    def add(self, x1: float, x2: float, y: float) -> None:
+        d = DECAY
+        self.s11, self.s12, self.s22 = self.s11 * d + x1 * x1, self.s12 * d + x1 * x2, self.s22 * d + x2 * x2
+        self.s1y, self.s2y = self.s1y * d + x1 * y, self.s2y * d + x2 * y
+
+    def coefficients(self) -> Optional[tuple[float, float]]:
+        if self.s11 <= 0:
             return None
-        mean_x, mean_y = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mean_x * mean_x
-        slope = max(0.0, (self.xy / self.w - mean_x * mean_y) / var) if var > 1e-9 else 0.0
-        return max(0.0, mean_y + slope * (x - mean_x))  # one decode count seen so far: its mean time
+        det = self.s11 * self.s22 - self.s12 * self.s12
+        if det > 1e-9 * self.s11 * self.s22:
+            a = (self.s1y * self.s22 - self.s2y * self.s12) / det
+            b = (self.s2y * self.s11 - self.s1y * self.s12) / det
+            if a >= 0 and b >= 0:
+                return a, b
+        fits = [(self.s1y / self.s11, 0.0)]  # one term alone, the one that fits best
+        if self.s22 > 0:
+            fits.append((0.0, self.s2y / self.s22))
+        return min(fits, key=lambda ab: self._error(*ab))
+
+    def _error(self, a: float, b: float) -> float:
+        return a * a * self.s11 + 2 * a * b * self.s12 + b * b * self.s22 - 2 * (a * self.s1y + b * self.s2y)
+
+
+def keys_read(start: int, n: int) -> float:
+    """Keys a chunk of n prompt tokens after `start` cached ones attends to, summed over its tokens."""
+    return n * (start + (n + 1) / 2)
 
 
 class Pacer:
@@ -52,37 +60,48 @@ class Pacer:
             raise ValueError(f"a prefill step ratio must be above 1, not {ratio}")
         self.ratio = ratio
         self.min_tokens = min_tokens
-        self._decodes = _Decayed()
-        self._residual = 0.0  # decayed Σ (t - decode-only step), over steps with prompt tokens
-        self._tokens = 0.0    # decayed Σ n, over the same steps
-        self._rough = None    # t / n of the last prompt step seen before any decode-only step (an overestimate)
+        self._decodes = _Fit()  # decode-only steps: seconds ≈ base·1 + per_decode·D
+        self._prompts = _Fit()  # steps with prompt tokens: seconds - decode-only step ≈ per_token·n + per_key·keys
+        self._rough: Optional[float] = None  # seconds / n of a prompt step seen before any decode-only step
 
-    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        """A step ran: `decodes` requests decoded and `prompt_tokens` prompt tokens were computed in `seconds`."""
-        if prompt_tokens == 0:
+    def observe(self, decodes: int, chunks: Iterable[tuple[int, int]], seconds: float) -> None:
+        """A step ran in `seconds`: `decodes` requests decoded and each (start, n) of `chunks` computed n prompt
+        tokens after start."""
+        chunks = list(chunks)
+        tokens = sum(n for _, n in chunks)
+        if not tokens:
             if decodes:
-                self._decodes.add(decodes, seconds)
+                self._decodes.add(1.0, decodes, seconds)
             return
         alone = self.decode_step(decodes)
         if alone is None:
-            self._rough = seconds / prompt_tokens
+            self._rough = seconds / tokens
             return
-        self._residual = self._residual * DECAY + max(seconds - alone, 0.0)
-        self._tokens = self._tokens * DECAY + prompt_tokens
+        self._prompts.add(tokens, sum(keys_read(s, n) for s, n in chunks), max(seconds - alone, 0.0))
 
     def decode_step(self, decodes: int) -> Optional[float]:
         """Predicted seconds of a step of `decodes` decodes alone; None before any was seen."""
-        return self._decodes.predict(decodes)
+        fit = self._decodes.coefficients()
+        return None if fit is None else fit[0] + fit[1] * decodes
 
-    @property
-    def per_prompt_token(self) -> Optional[float]:
-        """Seconds a prompt token adds to a step: fitted, or until a fit exists, a whole prompt step's share."""
-        return self._residual / self._tokens if self._tokens and self._residual > 0 else self._rough
+    def prompt_cost(self) -> Optional[tuple[float, float]]:
+        """(seconds per prompt token, seconds per key read); until a fit exists, a whole prompt step's share."""
+        fit = self._prompts.coefficients()
+        if fit is not None and fit != (0.0, 0.0):
+            return fit
+        return None if self._rough is None else (self._rough, 0.0)
 
-    def prompt_tokens(self, decodes: int) -> Optional[int]:
-        """The most prompt tokens a step beside `decodes` decodes may carry; None: no bound (nothing decodes,
-        or the model has not seen both kinds of step yet)."""
-        alone, per_token = self.decode_step(decodes), self.per_prompt_token
-        if not decodes or alone is None or per_token is None:
+    def prompt_tokens(self, decodes: int, start: int = 0) -> Optional[int]:
+        """The most prompt tokens a step beside `decodes` decodes may carry, for a chunk after `start` cached
+        tokens; None: no bound (nothing decodes, or the model has not seen both kinds of step yet)."""
+        alone, cost = self.decode_step(decodes), self.prompt_cost()
+        if not decodes or alone is None or cost is None:
             return None
-        return max(self.min_tokens, int((self.ratio - 1) * alone / per_token))
+        room, (per_token, per_key) = (self.ratio - 1) * alone, cost
+        # per_token·n + per_key·n·(start + (n + 1)/2) <= room: the positive root of a quadratic in n
+        linear = per_token + per_key * (start + 0.5)
+        if per_key > 0:
+            n = (math.sqrt(linear * linear + 2 * per_key * room) - linear) / per_key
+        else:
+            n = room / linear if linear > 0 else math.inf
+        return max(self.min_tokens, int(n)) if math.isfinite(n) else None

@@ -95,7 +95,8 @@ class Scheduler:
         stop sequence or at max_new_tokens, in that order of precedence. Returns the requests that finished;
         they have already left and freed their blocks."""
         if self.pacer is not None and outcome.seconds:
-            self.pacer.observe(step.decodes, step.prefill_tokens, outcome.seconds)
+            self.pacer.observe(step.decodes, [(e.start, e.num_tokens) for e in step.entries if not e.decode],
+                               outcome.seconds)
         finished = []
         for e in step.entries:
             req = e.request
@@ -128,8 +129,8 @@ class Scheduler:
         scheduled: set[int] = set()
         running = sorted(self.running, key=_rank)
         decodes = [r for r in running if r.is_decoding]
-        prefill_left = self.prompt_budget(len(decodes))
         chunks = [r for r in running if not r.is_decoding]
+        prefill_left = self.prompt_budget(len(decodes), chunks[0].computed if chunks else 0)
         for group in (decodes, chunks) if self.policy == "fifo" else (chunks, decodes):
             for req in group:
                 if req.state is not State.RUNNING or req.id in scheduled:
@@ -152,9 +153,10 @@ class Scheduler:
             admitted = self._admit(step, scheduled, prefill_left, held)
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
 
-    def prompt_budget(self, decodes: int) -> int:
-        """Prompt tokens a step beside `decodes` decodes may compute: the budget, or less as the pacer says."""
-        paced = self.pacer.prompt_tokens(decodes) if self.pacer is not None else None
+    def prompt_budget(self, decodes: int, start: int) -> int:
+        """Prompt tokens a step beside `decodes` decodes may compute, its first chunk after `start` cached tokens:
+        the budget, or less as the pacer says."""
+        paced = self.pacer.prompt_tokens(decodes, start) if self.pacer is not None else None
         return self.budget.max_batch_prefill_tokens if paced is None else min(paced,
                                                                               self.budget.max_batch_prefill_tokens)
 
