@@ -37,8 +37,10 @@ def latency_cdfs(runs: list[tuple[str, list[dict]]], path: Path, title: str = ""
 
 def rate_sweep(series: dict[str, list[tuple[float, dict]]], path: Path, title: str = "",
                latency_key: str = "e2el_p99_ms", latency_label: str = "p99 E2E latency (ms)",
-               throughput_key: str = "output_tok_s", throughput_label: str = "output tok/s") -> Path:
-    """Throughput and a latency against offered request rate, one line per system ({name: [(rate, summary)]})."""
+               throughput_key: str = "output_tok_s", throughput_label: str = "output tok/s",
+               x_label: str = "arrival rate (req/s)") -> Path:
+    """Throughput and a latency against offered request rate (or what `x_label` says), one line per system
+    ({name: [(x, summary)]})."""
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, points in series.items():
@@ -48,9 +50,9 @@ def rate_sweep(series: dict[str, list[tuple[float, dict]]], path: Path, title: s
         xs = [r for r, _ in pts]
         a.plot(xs, [s[throughput_key] for _, s in pts], marker="o", label=name)
         b.plot(xs, [s[latency_key] for _, s in pts], marker="o", label=name)
-    a.set_xlabel("arrival rate (req/s)")
+    a.set_xlabel(x_label)
     a.set_ylabel(throughput_label)
-    b.set_xlabel("arrival rate (req/s)")
+    b.set_xlabel(x_label)
     b.set_ylabel(latency_label)
     b.set_yscale("log")
     for ax in (a, b):

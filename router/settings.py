@@ -43,12 +43,12 @@ class Settings:
     max_batch_total_tokens: Optional[int] = setting(None, "tokens the running batch may hold in the KV cache; "
                                                     "sizes the pool (default: from free memory)", min=1)
     max_batch_size: int = setting(64, "running requests at once", min=1)
-    waiting_served_ratio: float = setting(0.3, "with requests running, admit only once this many waiting "
-                                          "requests per running one are queued (or --max-waiting-tokens passed)",
-                                          min=0.0)
+    waiting_served_ratio: float = setting(0.0, "with requests running, admit only once this many waiting "
+                                          "requests per running one are queued (or --max-waiting-tokens passed); "
+                                          "TGI's 0.3 batches prompts at the cost of their TTFT", min=0.0)
     max_waiting_tokens: int = setting(20, "steps after which waiting requests are admitted whatever the ratio",
                                       min=0)
-    prefill_step_ratio: float = setting(2.0, "while requests decode, a step that also computes prompt tokens may "
+    prefill_step_ratio: float = setting(3.0, "while requests decode, a step that also computes prompt tokens may "
                                         "take at most this many times their step alone (a cost model fitted to the "
                                         "steps run sizes its prompt chunk, at least 16 tokens); 0 turns it off, "
                                         "else above 1", min=0.0)

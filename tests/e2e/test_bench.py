@@ -82,6 +82,27 @@ def test_client_against_a_fake_server(fake_server, backend):
     assert [r["start"] for r in recs] == sorted(r["start"] for r in recs) and wall > 0
 
 
+@pytest.mark.parametrize("backend", sorted(client.BACKENDS))
+def test_latency_tools_against_a_fake_server(fake_server, backend, tmp_path):
+    """bench.interference and bench.concurrency measure what they say, on any backend."""
+    from typer.testing import CliRunner
+
+    from bench import concurrency, interference
+
+    r = interference.measure(fake_server, backend, streams=3, stream_tokens=20, long_prompt=30, arrive_after=0.01,
+                             seed=0)
+    assert r["itl_p99_ms"] >= r["itl_p50_ms"] > 0 and r["worst_gap_ms"] >= r["itl_p99_ms"]
+    assert r["long_ttft_s"] > 0 and r["long_started_s"] >= 0.01
+    out = tmp_path / "conc.json"
+    result = CliRunner().invoke(concurrency.app, ["measure", "--url", fake_server, "--backend", backend, "--levels",
+                                                  "1,4", "--input-len", "8", "--output-len", "10", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    points = json.loads(out.read_text())["points"]
+    assert [p["concurrency"] for p in points] == [1, 4] and all(p["output_tok_s"] > 0 for p in points)
+    result = CliRunner().invoke(concurrency.app, ["plot", str(out), "--out", str(tmp_path / "c.png")])
+    assert result.exit_code == 0 and (tmp_path / "c.png").stat().st_size > 0, result.output
+
+
 @pytest.fixture(scope="module")
 def traced_server(tmp_path_factory):
     """Small budgets so prompts are chunked and requests queue: many decisions for the replay to agree on."""
