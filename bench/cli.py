@@ -164,7 +164,7 @@ def run_server(url: str, reqs: list[Req], plan: "Plan", max_concurrency: Optiona
         raise typer.BadParameter(f"--backend {backend!r}: one of {', '.join(client.BACKENDS)}")
     proc = launch_server(*launch) if launch else None
     try:
-        protocol = client.BACKENDS[backend](client.served_model(url) if backend == "openai" else None)
+        protocol = client.backend_for(url, backend)
         return client.server_info(url), [
             plan.run(label, rate, *client.run(url, reqs, plan.arrivals(reqs, rate), max_concurrency, progress,
                                               f"{label} @ {_rate_label(rate)}", protocol)) for rate in plan.rates]

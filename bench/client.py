@@ -64,6 +64,19 @@ class OpenAI(TGI):
 BACKENDS = {"tgi": TGI, "openai": OpenAI}
 
 
+def backend_for(url: str, name: str) -> TGI:
+    """The protocol by name; OpenAI's names the model the server lists (vLLM refuses any other)."""
+    return BACKENDS[name](served_model(url) if name == "openai" else None)
+
+
+def cli_options(default_label: str = "cb"):
+    """(url, backend, label): the options the latency tools share, as typer defaults."""
+    import typer
+    return (typer.Option("http://127.0.0.1:8080", help="The server."),
+            typer.Option("tgi", help="tgi (/generate_stream) or openai (/v1/completions)."),
+            typer.Option(default_label, help="What the server is called in the report."))
+
+
 def _error(resp, raw: bytes) -> str:
     try:
         err = json.loads(raw)

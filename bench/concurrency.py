@@ -20,11 +20,14 @@ from bench.workloads import random_workload
 app = typer.Typer(add_completion=False, rich_markup_mode=None, help=__doc__)
 
 
+URL, BACKEND, LABEL = client.cli_options()
+
+
 @app.command()
 def measure(
-    url: str = typer.Option("http://127.0.0.1:8080", help="The server."),
-    backend: str = typer.Option("tgi", help="tgi (/generate_stream) or openai (/v1/completions)."),
-    label: str = typer.Option("cb", help="What the server is called in the plot."),
+    url: str = URL,
+    backend: str = BACKEND,
+    label: str = LABEL,
     levels: str = typer.Option("1,2,4,8,16,32,64", help="Concurrencies, comma-separated."),
     input_len: int = typer.Option(128, help="Prompt tokens."),
     output_len: int = typer.Option(64, help="Forced new tokens."),
@@ -32,11 +35,11 @@ def measure(
     json_out: Path = typer.Option(..., "--json", help="Where the levels' results go."),
 ):
     url = url.rstrip("/")
-    model = client.served_model(url) if backend == "openai" else None
+    protocol = client.backend_for(url, backend)
     points, stopped = [], None
     for c in (int(x) for x in levels.split(",")):
         reqs = random_workload(max(8, 2 * c), input_len, output_len, seed=seed + c)
-        recs, wall = client.run(url, reqs, max_concurrency=c, progress=False, backend=client.BACKENDS[backend](model))
+        recs, wall = client.run(url, reqs, max_concurrency=c, progress=False, backend=protocol)
         s = summarize(recs, wall)
         if s["errors"]:  # the levels measured so far are kept, and the reason said
             stopped = f"stopped at concurrency {c}: {s['errors_by_type']}"

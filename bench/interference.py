@@ -28,9 +28,8 @@ def measure(url: str, backend: str, streams: int, stream_tokens: int, long_promp
     reqs = random_workload(streams + 1, 32, stream_tokens, seed=seed)
     reqs[-1] = random_workload(1, long_prompt, 16, seed=seed + 1)[0]
     reqs[-1].id = streams
-    model = client.served_model(url) if backend == "openai" else None
     recs, wall = client.run(url, reqs, [0.0] * streams + [arrive_after], progress=False,
-                            backend=client.BACKENDS[backend](model))
+                            backend=client.backend_for(url, backend))
     errors = [r["error"] for r in recs if r["error"]]
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
@@ -43,11 +42,14 @@ def measure(url: str, backend: str, streams: int, stream_tokens: int, long_promp
             "long_started_s": long["start"], "wall_s": wall}
 
 
+URL, BACKEND, LABEL = client.cli_options()
+
+
 @app.command()
 def main(
-    url: str = typer.Option("http://127.0.0.1:8080", help="The server."),
-    backend: str = typer.Option("tgi", help="tgi (/generate_stream) or openai (/v1/completions)."),
-    label: str = typer.Option("cb", help="What the server is called in the report."),
+    url: str = URL,
+    backend: str = BACKEND,
+    label: str = LABEL,
     streams: int = typer.Option(8, help="Streams decoding when the long prompt arrives."),
     stream_tokens: int = typer.Option(200, help="Tokens each stream generates (forced, ignore_eos)."),
     long_prompt: int = typer.Option(2000, help="Tokens of the prompt that arrives while they decode."),
