@@ -4,7 +4,7 @@ restated): the shards' split rule, the router's reading of the API key, its pace
 import json
 from pathlib import Path
 
-from router.core.pacing import Pacer
+from router.core.pacing import pacer
 from router.server import api_key
 from router.settings import Settings
 from shard.split_rule import SplitWidths, check_shard_count
@@ -17,8 +17,7 @@ class LaunchError(Exception):
 def check_launch(settings: Settings, model_dir: Path) -> None:
     try:
         api_key(settings)
-        if settings.prefill_step_ratio:
-            Pacer(settings.prefill_step_ratio)
+        pacer(settings.prefill_step_ratio)
         if settings.num_shard > 1:
             check_shard_count(split_widths(model_dir, settings), settings.num_shard, settings.model_id)
     except ValueError as error:

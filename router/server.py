@@ -96,7 +96,7 @@ async def start_engine(s: Settings, shards):
     from router.api.info import Info
     from router.core.allocator import ceil_div
     from router.core.kv import KVManager
-    from router.core.pacing import Pacer
+    from router.core.pacing import pacer
     from router.core.scheduler import Budget, Scheduler
     from router.engine import Engine
     from router.recovery import Recovery
@@ -118,8 +118,7 @@ async def start_engine(s: Settings, shards):
     budget = Budget(s.max_batch_prefill_tokens, total, s.max_batch_size, s.waiting_served_ratio,
                     s.max_waiting_tokens)
     trace = Trace(open(s.trace_file, "w") if s.trace_file else None)
-    pacer = Pacer(s.prefill_step_ratio) if s.prefill_step_ratio else None
-    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, pacer), trace,
+    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, pacer(s.prefill_step_ratio)), trace,
                     Recovery(shards, sizing, pools))
     return engine, Info(
         model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device,
@@ -130,8 +129,8 @@ async def start_engine(s: Settings, shards):
         max_concurrent_requests=s.max_concurrent_requests, block_size=s.block_size, num_blocks=kv.pool.num_blocks,
         num_swap_blocks=kv.swap.num_blocks if kv.swap else 0,
         num_window_blocks=kv.window.blocks.num_blocks if kv.window else 0, scheduler=s.scheduler,
-        safety_margin=s.margin, prefill_step_ratio=s.prefill_step_ratio, prefix_caching=kv.prefix_caching, max_stop_sequences=s.max_stop_sequences,
-        max_top_n_tokens=s.max_top_n_tokens)
+        safety_margin=s.margin, prefill_step_ratio=s.prefill_step_ratio, prefix_caching=kv.prefix_caching,
+        max_stop_sequences=s.max_stop_sequences, max_top_n_tokens=s.max_top_n_tokens)
 
 
 def check_capacity(s: Settings, num_blocks: int) -> int:

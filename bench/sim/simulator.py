@@ -17,7 +17,7 @@ from bench.sim.cost_model import CostModel
 from bench.stats import new_record, summarize
 from bench.workloads import Req
 from router.core.kv import KVManager
-from router.core.pacing import Pacer
+from router.core.pacing import pacer
 from router.core.request import Request
 from router.core.scheduler import Budget, Scheduler
 from router.core.step import Outcome, Step
@@ -197,7 +197,7 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
     prefill_step_ratio: the router's pacer (router/core/pacing.py), learning the cost model's step times, or with
     `took` (a replay) the live ones."""
     kv = KVManager(num_blocks, block_size, prefix_caching, swap_blocks)
-    sched = Scheduler(budget, kv, policy, safety_margin, Pacer(prefill_step_ratio) if prefill_step_ratio else None)
+    sched = Scheduler(budget, kv, policy, safety_margin, pacer(prefill_step_ratio))
     return _Continuous(reqs, sched, cost or CostModel.steps(), times or [0.0] * len(reqs), at_steps, record,
                        took).run()
 

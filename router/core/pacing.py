@@ -49,6 +49,11 @@ class _Fit:
         return a * a * self.s11 + 2 * a * b * self.s12 + b * b * self.s22 - 2 * (a * self.s1y + b * self.s2y)
 
 
+def pacer(ratio: float) -> Optional["Pacer"]:
+    """The pacer for --prefill-step-ratio: None when it is 0 (off); a ratio in (0, 1] is refused."""
+    return Pacer(ratio) if ratio else None
+
+
 def keys_read(start: int, n: int) -> float:
     """Keys a chunk of n prompt tokens after `start` cached ones attends to, summed over its tokens."""
     return n * (start + (n + 1) / 2)
