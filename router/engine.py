@@ -103,8 +103,9 @@ class Engine:
             self.answered_at = time.perf_counter()
             self.failed = False
             metrics.observe_step(step, resp)
-            self.trace.ran(self.answered_at - sent)
-            self._apply(step, resp, self.answered_at - sent)
+            took = self.answered_at - sent
+            self.trace.ran(took)
+            self._apply(step, resp, Outcome(seconds=took))
             metrics.router_step.observe(planning + time.perf_counter() - self.answered_at)
 
     def _observe_gap(self) -> None:
@@ -125,12 +126,13 @@ class Engine:
             except ShardError as e:
                 await self._shard_failed(e)
 
-    def _apply(self, step: Step, resp, seconds: float) -> None:
-        """The step's outcome: prompt logprobs, then the tokens, through the scheduler, to the jobs."""
+    def _apply(self, step: Step, resp, outcome: Outcome) -> None:
+        """The step's outcome (its time already in `outcome`): prompt logprobs, then the tokens, through the
+        scheduler, to the jobs."""
         for p in resp.prefill:
             if p.id in self.jobs:
                 self.jobs[p.id].on_prefill(p.logprobs)
-        outcome, pieces = Outcome(seconds=seconds), {}
+        pieces = {}
         for g in resp.generations:
             job = self.jobs.get(g.id)
             if job is not None and job.finish_reason is None:

@@ -95,8 +95,7 @@ class Scheduler:
         stop sequence or at max_new_tokens, in that order of precedence. Returns the requests that finished;
         they have already left and freed their blocks."""
         if self.pacer is not None and outcome.seconds:
-            self.pacer.observe(step.decodes, [(e.start, e.num_tokens) for e in step.entries if not e.decode],
-                               outcome.seconds)
+            self.pacer.observe(step.decodes, step.chunks, outcome.seconds)
         finished = []
         for e in step.entries:
             req = e.request
@@ -156,9 +155,9 @@ class Scheduler:
     def prompt_budget(self, decodes: int, start: int) -> int:
         """Prompt tokens a step beside `decodes` decodes may compute, its first chunk after `start` cached tokens:
         the budget, or less as the pacer says."""
+        budget = self.budget.max_batch_prefill_tokens
         paced = self.pacer.prompt_tokens(decodes, start) if self.pacer is not None else None
-        return self.budget.max_batch_prefill_tokens if paced is None else min(paced,
-                                                                              self.budget.max_batch_prefill_tokens)
+        return budget if paced is None else min(paced, budget)
 
     def _restore(self, step: Step, scheduled: set[int], prefill_left: int, held: int) -> tuple[int, int]:
         """Brings offloaded requests back, best rank first, while their blocks and their next step fit."""

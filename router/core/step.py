@@ -37,6 +37,11 @@ class Step:
         return sum(e.num_tokens for e in self.entries if not e.decode)
 
     @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start, tokens) of each prompt chunk in the step."""
+        return [(e.start, e.num_tokens) for e in self.entries if not e.decode]
+
+    @property
     def decodes(self) -> int:
         return sum(1 for e in self.entries if e.decode)
 

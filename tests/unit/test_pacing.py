@@ -11,17 +11,13 @@ from router.core.scheduler import Budget, Scheduler
 BASE, PER_DECODE, PER_TOKEN, PER_KEY = 0.030, 0.002, 0.001, 1e-6
 
 
-def chunks(step) -> list[tuple[int, int]]:
-    return [(e.start, e.num_tokens) for e in step.entries if not e.decode]
-
-
 def alone(decodes: int) -> float:
     return BASE + PER_DECODE * decodes
 
 
 def fake_cost(step) -> float:
     return (alone(step.decodes) + PER_TOKEN * step.prefill_tokens
-            + PER_KEY * sum(keys_read(s, n) for s, n in chunks(step)))
+            + PER_KEY * sum(keys_read(s, n) for s, n in step.chunks))
 
 
 def make(ratio=2.0, prefill=512) -> Scheduler:
