@@ -32,7 +32,7 @@ class Group:
     kv_len: torch.Tensor       # [B] tokens visible to the request after this step
     key_start: torch.Tensor    # [B] position of the first key in the block table (0 but in the window pool)
     members: int               # the real requests: the first `members` of B (decode groups are padded, layout.py)
-    dense: tuple[int, int] | None = None  # (first row, count) when the group is one query each, rows consecutive
+    dense: int | None = None   # the first row, when the group is one query each and its rows are consecutive
 
     def mask(self, block_size: int, window: int | None) -> torch.Tensor:
         """[B, Q, K] bool: key j is visible to query i (causal, within kv_len, inside the window)."""
@@ -123,7 +123,7 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
         with scope("attention::attend"):
             if grp.rows.shape[1] == 1:  # decodes: consecutive rows are a plain slice, no indexing
                 n = grp.members
-                rows = slice(grp.dense[0], grp.dense[0] + n) if grp.dense else grp.rows[:n, 0]
+                rows = slice(grp.dense, grp.dense + n) if grp.dense is not None else grp.rows[:n, 0]
                 qd = F.pad(q[:, :, rows], (0, 0, 0, grp.rows.shape[0] - n))  # padding members: zero queries
                 out[:, :, rows] = _decodes(qd, kg, vg, step.mask(i, window), scale)[:, :, :n]
             else:

@@ -61,6 +61,5 @@ def _group(members, window: bool, block_size: int, device: torch.device) -> Grou
         kv_len[i] = st.cached + n
         key_start[i] = st.window_base * block_size if window else 0
     offsets = [offset for offset, _, _ in members]
-    dense = (offsets[0], len(members)) if q == 1 and offsets == list(range(offsets[0], offsets[0] + len(members))) \
-        else None
+    dense = offsets[0] if q == 1 and offsets == list(range(offsets[0], offsets[0] + len(members))) else None
     return Group(rows.to(device), valid.to(device), padded.to(device), qpos, kv_len, key_start, len(members), dense)
