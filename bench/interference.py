@@ -25,8 +25,8 @@ app = typer.Typer(add_completion=False, rich_markup_mode=None, help=__doc__)
 
 def measure(url: str, backend: str, streams: int, stream_tokens: int, long_prompt: int, arrive_after: float,
             seed: int) -> dict:
-    reqs = random_workload(streams + 1, 32, stream_tokens, seed=seed)
-    reqs[-1] = random_workload(1, long_prompt, 16, seed=seed + 1)[0]
+    reqs = random_workload(streams, 32, stream_tokens, seed=seed)
+    reqs.append(random_workload(1, long_prompt, 16, seed=seed + 1)[0])
     reqs[-1].id = streams
     recs, wall = client.run(url, reqs, [0.0] * streams + [arrive_after], progress=False,
                             backend=client.backend_for(url, backend))
