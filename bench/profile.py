@@ -25,7 +25,8 @@ app = typer.Typer(add_completion=False, rich_markup_mode=None, help=__doc__)
 DEFAULTS = Settings()
 MODULES = (("embed", "embedding"), ("lm_head", "LM head"), ("q_proj", "q/k/v projections"),
            ("k_proj", "q/k/v projections"), ("v_proj", "q/k/v projections"), ("qkv", "q/k/v projections"),
-           ("o_proj", "output projection"), ("mlp", "MLP"), ("norm", "norms"), ("rotary", "rotary"))
+           ("o_proj", "output projection"), ("mlp", "MLP"), ("gate_up", "MLP"), ("down_proj", "MLP"),
+           ("norm", "norms"), ("rotary", "rotary"))
 
 
 def _tag(model) -> None:

@@ -1,5 +1,5 @@
 """Loads a transformers causal LM with its attention routed to the paged cache, sharded for this rank, its
-linear layers quantized when asked (quantize.py)."""
+linear layers on the device's fastest kernels, quantized when asked (linears.py)."""
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shard import attention
-from shard.quantize import quantize_int8
+from shard import lean, linears
 from shard.tensor_parallel import shard_model
 
 # ids [T], positions [T], rows to keep [K] -> logits [K, vocab]
@@ -27,7 +27,7 @@ class LoadedModel:
     sliding: list[bool]  # per layer: attends within sliding_window (its KV lives in the window pool)
     forward: Forward
     dtype: torch.dtype  # of the KV cache
-    quantize: Optional[str]  # None or "int8" (quantize.py)
+    quantize: Optional[str]  # None, "int8" or "int4" (linears.py)
 
 
 def text_config(config):
@@ -43,6 +43,7 @@ def forward_of(model) -> Forward:
 
 def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int,
          quantize: Optional[str] = None) -> LoadedModel:
+    linears.check(quantize, device)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=DTYPES[dtype], attn_implementation=attention.NAME,
     )
@@ -55,7 +56,9 @@ def load(model_dir: str, dtype: str, device: torch.device, rank: int, world: int
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     sliding = [t == "sliding_attention" and bool(cfg.sliding_window) for t in types]
-    if quantize == "int8":
-        quantize_int8(model)
+    if lean.supports(model):
+        model = lean.LeanLlama(model)
+    linears.convert(model, quantize, device)
+    forward = model if isinstance(model, lean.LeanLlama) else forward_of(model)
     return LoadedModel(model, cfg, cfg.num_hidden_layers, kv_heads, head_dim, cfg.sliding_window if any(sliding)
-                       else 0, sliding, forward_of(model), DTYPES[dtype], quantize)
+                       else 0, sliding, forward, DTYPES[dtype], quantize)

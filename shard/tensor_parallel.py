@@ -17,15 +17,18 @@ LOOPBACK = "lo"  # Linux's loopback interface
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard @ W_shard^T) + b: the partial products of every rank summed."""
+    """y = all_reduce(x_shard @ W_shard^T) + b: the partial products of every rank summed. The product is a plain
+    nn.Linear, so that linears.py swaps its kernel like any other."""
 
     def __init__(self, linear: nn.Linear, start: int, end: int):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.data[:, start:end].clone(), requires_grad=False)
+        self.part = nn.Linear(end - start, linear.out_features, bias=False, dtype=linear.weight.dtype,
+                              device=linear.weight.device)
+        self.part.weight = nn.Parameter(linear.weight.data[:, start:end].clone(), requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x):
-        y = nn.functional.linear(x, self.weight)
+        y = self.part(x)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

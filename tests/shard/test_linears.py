@@ -1,0 +1,96 @@
+"""The linear kernels (shard/linears.py) on a shard's Runner in-process (a small random Llama): bf16 on its packed
+weights gives exactly F.linear's numbers; --quantize int8 and int4 really hold their weights quantized, the logits
+stay close to the unquantized model's, and a request's greedy tokens do not depend on what shares its batch."""
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shard import linears
+from shard import model as model_lib
+from shard.runner import Runner
+from shard.sampling import Params
+from shard.step import Entry
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.1)
+    path = tmp_path_factory.mktemp("tiny-llama-q")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def runner(path, quantize=None) -> Runner:
+    loaded = model_lib.load(str(path), "bfloat16", torch.device("cpu"), 0, 1, quantize)
+    r = Runner(loaded, torch.device("cpu"), BS, 0, 1)
+    r.allocate(256)
+    return r
+
+
+def greedy(r: Runner, prompts: dict[int, list[int]], n: int) -> dict[int, list[int]]:
+    """Serves the prompts together (one batch, one decode per step), n tokens each."""
+    per = 16
+    out = {rid: [] for rid in prompts}
+    entries = [Entry(rid, p, list(range(k * per, (k + 1) * per)), sample=True, params=Params())
+               for k, (rid, p) in enumerate(prompts.items())]
+    for step in range(n):
+        for g in r.step(entries).generations:
+            out[g.id].append(g.token_id)
+        entries = [Entry(rid, [out[rid][-1]], [], sample=True, cached_tokens=len(prompts[rid]) + step)
+                   for rid in prompts]
+    return out
+
+
+def test_packed_bf16_equals_f_linear_bit_for_bit():
+    torch.manual_seed(0)
+    for out_features, in_features in ((96, 128), (128, 96), (512, 128)):
+        plain = nn.Linear(in_features, out_features, bias=True, dtype=torch.bfloat16)
+        packed = linears.Packed(plain)
+        for rows in (1, 3, 8, 17, 64, 300):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            assert torch.equal(packed(x), plain(x)), (out_features, in_features, rows)
+
+
+@pytest.mark.parametrize("mode, kind, bits", [("int8", linears.Int8, torch.int8), ("int4", linears.Int4, torch.uint8)])
+def test_quantized_weights_logits_close_and_batch_invariant(tiny_llama, mode, kind, bits):
+    plain, quant = runner(tiny_llama), runner(tiny_llama, mode)
+    per_layer = 4  # the lean forward's q/k/v, output, gate/up and down projections (lean.py)
+    assert sum(isinstance(m, linears.Packed) for m in plain.loaded.model.modules()) == 3 * per_layer + 1
+    layers = [m for m in quant.loaded.model.modules() if isinstance(m, kind)]
+    assert len(layers) == 3 * per_layer + (mode == "int8") and all(m.weight.dtype == bits for m in layers)
+    assert isinstance(quant.loaded.model.lm_head, linears.Int8), "int4 keeps the LM head at 8 bits"
+    prompt = list(range(10, 40))
+    scored = [torch.tensor(r.step([Entry(9, prompt, list(range(8)), params=Params(), prompt_tokens=len(prompt),
+                                         prefill_logprobs=True)]).prefill[0][1][1:]) for r in (plain, quant)]
+    drift = (scored[0] - scored[1]).abs()  # 4 bits on random weights (no outliers to spare) move more than 8
+    assert drift.max() < (0.1 if mode == "int8" else 1.5) and drift.mean() < (0.03 if mode == "int8" else 0.4)
+    plain.clear()
+    quant.clear()
+    gen = torch.Generator().manual_seed(3)
+    others = {rid: torch.randint(5, 500, (11 + rid,), generator=gen).tolist() for rid in range(2, 6)}
+    alone = greedy(quant, {1: prompt}, 12)[1]
+    quant.clear()
+    together = greedy(quant, {1: prompt, **others}, 12)[1]
+    assert alone == together
+
+
+def test_int4_dequantizes_to_within_half_a_step():
+    torch.manual_seed(1)
+    plain = nn.Linear(64, 48, bias=False)
+    quant = linears.Int4(plain)
+    eye = torch.eye(64)
+    w = plain.weight.detach()
+    step = (w.view(48, 2, 32).amax(-1) - w.view(48, 2, 32).amin(-1)) / 15
+    err = (quant(eye).t() - w).abs().view(48, 2, 32)
+    assert (err <= step[..., None] / 2 + 1e-6).all()
+
+
+def test_int4_refused_off_cpu():
+    with pytest.raises(ValueError, match="CPU kernel only"):
+        linears.check("int4", torch.device("cuda"))
