@@ -3,8 +3,8 @@ whose attention layers call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation
 
 The model sees one ragged sequence (all scheduled tokens of all requests, batch dimension 1). Each layer's
 new keys and values are written into the cache at their slots; then each request attends to its own blocks.
-Requests are grouped in two padded batches built once per step (`StepLayout`): decodes (one query each) and
-prompt chunks (causal within the chunk, after everything cached before it). The linear layers never see
+Requests are grouped in padded batches built once per step (`StepLayout`): prompt chunks (causal within the
+chunk, after everything cached before it), and decodes (one query each) in up to four groups of similar length. The linear layers never see
 padding; only these two attention calls do.
 
 Hybrid models keep their sliding-window layers in a second pool (see kv_cache.py) with a per-request block

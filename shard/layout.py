@@ -26,6 +26,39 @@ def bucket(n: int, fine: int = 8) -> int:
     return -(-n // step) * step
 
 
+GROUP_OVERHEAD = 48  # (request, block) pairs: an extra decode group costs ~ gathering and attending over 48 more
+
+
+def split_decodes(members: list[tuple]) -> list[list[tuple]]:
+    """Decodes sorted by block-table width, cut into up to 4 groups of similar widths: one group pads every
+    request to the longest one's width, and gathers and attends over all of it in every layer."""
+    cut = _best_cut(members)
+    if cut is None:
+        return [members]
+    return [part for half in (members[:cut], members[cut:]) for part in _split_once(half)]
+
+
+def _split_once(members: list[tuple]) -> list[list[tuple]]:
+    cut = _best_cut(members)
+    return [members] if cut is None else [members[:cut], members[cut:]]
+
+
+def _best_cut(members: list[tuple]) -> int | None:
+    """Where one cut saves more padded (request, block) pairs than a group costs, the best such place."""
+    widths = [len(st.blocks) for _, _, st in members]
+    n = len(widths)
+    best, cut = _padded(n, widths[-1]) - GROUP_OVERHEAD, None
+    for i in range(1, n):
+        cost = _padded(i, widths[i - 1]) + _padded(n - i, widths[-1])
+        if cost < best:
+            best, cut = cost, i
+    return cut
+
+
+def _padded(size: int, width: int) -> int:
+    return bucket(size, 4) * bucket(width, 4)
+
+
 def build(members: list[list[tuple]], full_slots: list[torch.Tensor], window_slots: list[torch.Tensor] | None,
           cache, block_size: int, device: torch.device, tokens: int) -> StepLayout:
     """members: the groups, each a list of (offset in the ragged batch, tokens, RequestState); tokens: the

@@ -74,6 +74,9 @@ class Runner:
         """One forward over every entry's tokens, then sampling (rank 0 only)."""
         with scope("layout"):
             states = [self._state(e) for e in entries]
+            # prompt chunks first, then decodes by width, so that each decode group's rows are consecutive
+            order = sorted(range(len(entries)), key=lambda i: (len(entries[i].input_ids) == 1, len(states[i].blocks)))
+            entries, states = [entries[i] for i in order], [states[i] for i in order]
             ids, positions, keep, layout = self._batch(entries, states)
         start = time.perf_counter_ns()
         attention.set_step(layout)
@@ -134,7 +137,8 @@ class Runner:
             slots.append(torch.full((pad,), self.cache.scratch_slot[0]))
             if windowed:
                 window_slots.append(torch.full((pad,), self.cache.scratch_slot[1]))
-        step_layout = layout.build([g for g in (decode, chunks) if g], slots, window_slots if windowed else None,
+        groups = ([chunks] if chunks else []) + (layout.split_decodes(decode) if decode else [])
+        step_layout = layout.build(groups, slots, window_slots if windowed else None,
                                    self.cache, self.block_size, self.device, offset)
         return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
 
