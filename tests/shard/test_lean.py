@@ -14,17 +14,6 @@ from shard.step import Entry
 BS = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    torch.manual_seed(11)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      initializer_range=0.1)
-    path = tmp_path_factory.mktemp("tiny-llama-lean")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
 def runner(path, dtype: str, monkeypatch, use_lean: bool) -> Runner:
     with monkeypatch.context() as patch:
         if not use_lean:

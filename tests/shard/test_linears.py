@@ -4,7 +4,6 @@ stay close to the unquantized model's, and a request's greedy tokens do not depe
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shard import linears
 from shard import model as model_lib
@@ -13,17 +12,6 @@ from shard.sampling import Params
 from shard.step import Entry
 
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    torch.manual_seed(7)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      initializer_range=0.1)
-    path = tmp_path_factory.mktemp("tiny-llama-q")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 def runner(path, quantize=None) -> Runner:
