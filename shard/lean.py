@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shard import attention
+from shard.profiling import scope
 
 
 def supports(model) -> bool:
@@ -65,19 +66,22 @@ class LeanLlama(nn.Module):
             q = q.view(tokens, -1, layer.head_dim).transpose(0, 1)
             k = k.view(tokens, -1, layer.head_dim).transpose(0, 1)
             v = v.view(tokens, -1, layer.head_dim).transpose(0, 1)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            with scope("module::rotary"):
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             h = h + layer.o_proj(attention.attend(layer.index, q, k, v, layer.scaling, None))
             x = _rms_norm(layer.norm_post, h)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down_proj(nn.functional.silu(gate) * up)
+            with scope("module::MLP"):
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                h = h + layer.down_proj(nn.functional.silu(gate) * up)
         return self.lm_head(_rms_norm(self.norm, h[keep]))
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """transformers' LlamaRMSNorm, op for op (float32 inside)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    with scope("module::norms"):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * h.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
