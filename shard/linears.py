@@ -32,7 +32,18 @@ class Packed(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-class Int8(nn.Module):
+class _WeightOnly(nn.Module):
+    """A quantized weight's GEMM takes 2-D activations: the leading dimensions are flattened around it."""
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8(_WeightOnly):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()
@@ -41,13 +52,11 @@ class Int8(nn.Module):
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
 
 
-class Int4(nn.Module):
+class Int4(_WeightOnly):
     """Asymmetric 4-bit groups: w ≈ (q - 8) * scale + zero, q in 0..15, the min and max of each group exact."""
 
     def __init__(self, linear: nn.Linear):
@@ -64,11 +73,8 @@ class Int4(nn.Module):
                              .transpose(0, 1).contiguous().to(linear.weight.dtype))
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, INT4_GROUP, self.scales_and_zeros)
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 
 def check(quantize: Optional[str], device: torch.device) -> None:

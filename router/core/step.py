@@ -34,7 +34,7 @@ class Step:
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries if not e.decode)
+        return sum(n for _, n in self.chunks)
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
