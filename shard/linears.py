@@ -3,7 +3,8 @@ swapped for the fastest kernel this device has for the weight's mode.
 
 - **bf16 on CPU** (`Packed`): oneDNN's own kernel with the weight laid out for it once, at load
   (`mkldnn._reorder_linear_weight`). `F.linear` hands oneDNN a plain weight, which it reorders on every call:
-  the same kernel with the same sums (bit-identical logits), 1.3-2x faster for decode-sized batches.
+  the same kernel with the same sums (bit-identical logits), 1.3-2x faster for decode-sized batches. oneDNN
+  packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 stays on `F.linear`.
   float32 stays on `F.linear` (MKL), as transformers runs it: it is the exact mode the golden tests compare.
 - **`--quantize int8`** (`Int8`): one scale per output channel, torch's int8-weight GEMM. Half the bytes of bf16.
 - **`--quantize int4`** (`Int4`): groups of 32 input channels share a scale and a zero point (the layout of
@@ -77,6 +78,11 @@ class Int4(_WeightOnly):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 
+def packs_bf16() -> bool:
+    """oneDNN can lay bf16 weights out on this CPU (it refuses without AVX-512 or AVX-NE-CONVERT)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def check(quantize: Optional[str], device: torch.device) -> None:
     if quantize not in (None, *MODES):
         raise ValueError(f"--quantize {quantize}: the modes are {', '.join(MODES)}")
@@ -90,7 +96,7 @@ def kernel_for(linear: nn.Linear, quantize: Optional[str], device: torch.device,
         return Int8(linear)
     if quantize == "int4" and linear.in_features % INT4_GROUP == 0:
         return Int4(linear)
-    if device.type == "cpu" and linear.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if device.type == "cpu" and linear.weight.dtype == torch.bfloat16 and packs_bf16():
         return Packed(linear)
     return None
 
