@@ -133,6 +133,8 @@ def main(
     info = Info.model_validate(raw_info) if raw_info else None
     model_dir = model_dir or (local_model(info.model_id if info else DEFAULTS.model_id) if baseline or ceiling else "")
     baseline, ceiling = (baseline, ceiling) if model_dir else ([], False)  # in-process runs need a local model
+    if dtype == "auto" and (baseline or ceiling):  # the in-process runs compute in what the server computed in
+        dtype = info.model_dtype if info else local_dtype(device)
     for name in baseline:
         runs += run_baseline(name, reqs, plan, info, model_dir, dtype, device, baseline_batch_size, progress)
     compare_runs(runs, plan.rates, reqs)
@@ -230,6 +232,13 @@ def compare_runs(runs: list[dict], rates: list[float], reqs: list[Req]) -> None:
             s = r["summary"]
             typer.echo(f"  {r['system']:>16} {_rate_label(r['rate']):>5} {s['req_s']:6.2f} {s['output_tok_s']:9.1f}"
                        f" {s['ttft_p99_ms']:11.1f} {s['e2el_p99_ms']:10.1f}")
+
+
+def local_dtype(device: Optional[str]) -> str:
+    import torch
+
+    from shard.model import resolve_dtype
+    return resolve_dtype("auto", torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
 def measure_ceiling(model_dir: str, dtype: str, device: Optional[str]) -> dict:

@@ -1,4 +1,4 @@
-"""The soak (`make soak`, `python -m bench.soak`): a default server (bf16) under a long mixed load, to catch what a
+"""The soak (`make soak`, `python -m bench.soak`): a default server (`--dtype auto`) under a long mixed load, to catch what a
 short test cannot: requests lost or failed after hours of churn, KV blocks that never come back, memory that
 keeps growing.
 
@@ -25,6 +25,7 @@ import typer
 
 from bench.client import TGI, OpenAI
 from bench.server import free_port, launch_server, stop_server
+from router.settings import DEFAULTS
 
 TEXT = (Path(__file__).resolve().parent / "data" / "quality.txt").read_text().split()
 SHARED_PREFIX = " ".join(TEXT[:120])  # prompts that start with it exercise the prefix cache
@@ -209,7 +210,7 @@ def main(requests: int = typer.Option(1000, help="requests in all, spread over t
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(seed)
-    proc = launch_server(port, "bfloat16", launcher_args.split(), url, server_log)
+    proc = launch_server(port, DEFAULTS.dtype, launcher_args.split(), url, server_log)
     try:
         result = soak(url, proc.pid, rng, requests, rounds, concurrency)
     finally:

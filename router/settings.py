@@ -66,8 +66,9 @@ class Settings:
     block_size: int = setting(16, "tokens per KV block", min=1)
     max_memory_percent: float = setting(0.9, "share of free memory (CPU: available RAM) the KV pool may take "
                                         "when no size is given", min=0.01, max=1.0)
-    dtype: str = setting("bfloat16", "weights and KV cache; float32 is the exact mode the golden tests use",
-                         choices=("bfloat16", "float16", "float32"))
+    dtype: str = setting("auto", "weights and KV cache; auto: bfloat16 where the device computes in it (a GPU "
+                         "with bf16, a CPU with AVX512-BF16 or AMX), else float32 (float16 on a GPU); float32 is "
+                         "the exact mode the golden tests use", choices=("auto", "bfloat16", "float16", "float32"))
     device: str = setting("auto", "where the shards run (auto: cuda when available)", choices=("auto", "cpu", "cuda"))
     quantize: Optional[str] = setting(None, "weight-only quantized linear layers, activations in --dtype: int8 "
                                       "(per output channel) or int4 (groups of 32, CPU only); faster for a few "
