@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from shard import paged_kernel
 from shard.profiling import scope
 
 NAME = "cb_paged"
@@ -84,6 +85,7 @@ class StepLayout:
     window: PoolStep | None  # hybrid models: the sliding-window layers' pool
     cache: list[tuple[bool, torch.Tensor, torch.Tensor]]  # per layer (in the window pool, k, v), see KVCache
     tokens: int  # the real tokens; rows after them pad the step to its bucket (layout.py)
+    kernel: bool = False  # decodes attend through paged_kernel (in place) rather than a gather
 
 
 _current: StepLayout | None = None
@@ -114,10 +116,19 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
         v_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, value.to(v_cache.dtype))
     heads, tokens = query.shape[0], query.shape[1]
     q = query.view(hkv, heads // hkv, tokens, dim)
-    out = torch.empty_like(q)
-    out[:, :, _current.tokens:] = 0  # padding rows: no group writes them
+    flat = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)  # the layer's output layout
+    flat[_current.tokens:] = 0  # padding rows: no group writes them
+    out = flat.transpose(0, 1).view(hkv, heads // hkv, tokens, dim)
     scale = scaling if scaling is not None else dim ** -0.5
+    in_place = (_current.kernel and query.dtype == k_cache.dtype and query.dtype in paged_kernel.DTYPES
+                and query.stride(-1) == 1)
     for i, grp in enumerate(step.groups):
+        if in_place and grp.rows.shape[1] == 1:
+            with scope("attention::attend"):
+                n = grp.members
+                if paged_kernel.decode(query, grp.rows[:n, 0].contiguous(), k_cache, v_cache, grp.block_tables[:n],
+                                       grp.key_start[:n], grp.kv_len[:n], window, flat.transpose(0, 1), scale):
+                    continue
         with scope("attention::gather"):
             kg, vg = step.gather(i, k_cache), step.gather(i, v_cache)
         with scope("attention::attend"):
@@ -129,7 +140,7 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
             else:
                 og = _chunks(q[:, :, grp.rows], kg, vg, step.mask(i, window), scale)
                 out[:, :, grp.rows[grp.valid]] = og[:, :, grp.valid]
-    return out.view(heads, tokens, dim).transpose(0, 1).reshape(tokens, heads * dim)
+    return flat.view(tokens, heads * dim)
 
 
 def _decodes(q, k, v, mask, scale):

@@ -60,7 +60,7 @@ def _padded(size: int, width: int) -> int:
 
 
 def build(members: list[list[tuple]], full_slots: list[torch.Tensor], window_slots: list[torch.Tensor] | None,
-          cache, block_size: int, device: torch.device, tokens: int) -> StepLayout:
+          cache, block_size: int, device: torch.device, tokens: int, kernel: bool = False) -> StepLayout:
     """members: the groups, each a list of (offset in the ragged batch, tokens, RequestState); tokens: the
     step's real tokens (the rows after them are padding)."""
     def pool_step(token_slots: list[torch.Tensor], window: bool) -> PoolStep:
@@ -69,7 +69,7 @@ def build(members: list[list[tuple]], full_slots: list[torch.Tensor], window_slo
 
     return StepLayout(full=pool_step(full_slots, False),
                       window=pool_step(window_slots, True) if window_slots is not None else None,
-                      cache=cache.layers, tokens=tokens)
+                      cache=cache.layers, tokens=tokens, kernel=kernel)
 
 
 def _group(members, window: bool, block_size: int, device: torch.device) -> Group:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shard import attention, layout
+from shard import attention, layout, paged_kernel
 from shard.kv_cache import KVCache, ceil_div
 from shard.model import LoadedModel
 from shard.profiling import scope
@@ -47,6 +47,7 @@ class Runner:
         self.world = world
         self.cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
+        self.kernel = paged_kernel.available(device)  # decodes read the cache in place: one group, no padding
 
     def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         m = self.loaded
@@ -137,9 +138,10 @@ class Runner:
             slots.append(torch.full((pad,), self.cache.scratch_slot[0]))
             if windowed:
                 window_slots.append(torch.full((pad,), self.cache.scratch_slot[1]))
-        groups = ([chunks] if chunks else []) + (layout.split_decodes(decode) if decode else [])
+        decodes = ([decode] if self.kernel else layout.split_decodes(decode)) if decode else []
+        groups = ([chunks] if chunks else []) + decodes
         step_layout = layout.build(groups, slots, window_slots if windowed else None,
-                                   self.cache, self.block_size, self.device, offset)
+                                   self.cache, self.block_size, self.device, offset, self.kernel)
         return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:

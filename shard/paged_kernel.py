@@ -1,0 +1,88 @@
+"""The decode attention kernel (kernels/paged_decode.c) on CPU: built once per machine with the system's C
+compiler, loaded with ctypes, called with raw pointers to the step's tensors.
+
+It reads each request's keys and values in place through its block table, once, where the torch path gathers
+every decode group's blocks into a padded copy in every layer and reads that twice. Plain C and no torch headers,
+so it compiles in about a second; ctypes releases the GIL during the call. Without a compiler (or on a GPU) the
+shard keeps the torch path, and says so once.
+"""
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shard import cpu
+
+SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+DTYPES = (torch.float32, torch.bfloat16)  # the caches it reads
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+log = logging.getLogger("cb.shard")
+
+_lib = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CB_CACHE", Path.home() / ".cache" / "cb")) / "kernels"
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: decode attention gathers the cache instead (slower)")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu.flags())]).encode())
+    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # shards build at once: rename is atomic
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                log.warning("building the decode attention kernel failed, the cache is gathered instead:\n%s",
+                            done.stderr[-2000:])
+                return None
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))
+    lib.paged_decode.restype = ctypes.c_int
+    return lib
+
+
+def available(device: torch.device) -> bool:
+    global _lib, _tried
+    if device.type != "cpu" or os.environ.get("CB_PAGED_KERNEL", "1") == "0":
+        return False
+    if not _tried:
+        _tried = True
+        _lib = _build()
+    return _lib is not None
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def decode(q: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           tables: torch.Tensor, key_start: torch.Tensor, kv_len: torch.Tensor, window: int | None,
+           out: torch.Tensor, scale: float) -> bool:
+    """q and out [H, T, D] (any strides, the cache's dtype), rows/key_start/kv_len [B] and tables [B, W] int64
+    (contiguous), caches [Hkv, blocks, block_size, D] contiguous. Writes each request's attention output at its
+    row of `out`; False when the shape is beyond the kernel (the caller takes the torch path)."""
+    hkv, nb, bs, dim = k_cache.shape
+    heads = q.shape[0]
+    return _lib.paged_decode(
+        _ptr(q), ctypes.c_long(q.stride(0)), ctypes.c_long(q.stride(1)), _ptr(rows), _ptr(k_cache), _ptr(v_cache),
+        ctypes.c_long(nb), ctypes.c_long(bs), _ptr(tables), ctypes.c_long(tables.shape[1]), _ptr(key_start),
+        _ptr(kv_len), ctypes.c_long(window or 0), _ptr(out), ctypes.c_long(out.stride(0)),
+        ctypes.c_long(out.stride(1)), ctypes.c_long(rows.shape[0]), ctypes.c_long(hkv),
+        ctypes.c_long(heads // hkv), ctypes.c_long(dim), ctypes.c_float(scale),
+        ctypes.c_int(k_cache.dtype == torch.bfloat16), ctypes.c_int(torch.get_num_threads())) == 0
