@@ -1,8 +1,14 @@
 """The batching loop: one step at a time, in the same asyncio loop as the HTTP server.
 
 Each step: retire cancelled requests, let the scheduler decide what runs, make the shards forget soft-reset and
-retired requests and move offloaded or restored blocks, run the step on every shard, then hand its outcome to
-the scheduler (`update`: the one place where tokens join requests and requests finish) and each token to its job.
+retired requests and move offloaded or restored blocks, run the step on every shard, then hand its tokens to the
+scheduler (`update`: tokens join requests; a stop token or max_new_tokens ends one).
+
+The text work overlaps the forward: a step's tokens are detokenized, matched against stop sequences and streamed
+while the next step computes, so none of it sits between two steps. A request a stop sequence ends then already
+has a token in the step in flight; it finishes at once (its blocks freed, the shards told before the next step)
+and that token is discarded. EOS and max_new_tokens are known before the next step is planned, so nothing is ever
+computed or sent past them.
 
 When a shard fails (it died, hangs, or missed a call's deadline) the engine does not fail the requests: every one
 goes back to waiting with its tokens, a new shard set is started (router/recovery.py), and they resume from their
@@ -24,6 +30,7 @@ from router.trace import Trace
 
 log = logging.getLogger("router")
 PROBE_INTERVAL = 2.0  # s between Health calls while idle: a shard that dies or hangs is noticed without traffic
+SEND_TURNS = 3  # event-loop turns before the last step's streams run: a gRPC call leaves on the second (measured)
 
 
 class Engine:
@@ -36,6 +43,8 @@ class Engine:
         self.jobs: dict[int, Job] = {}
         self.wake = asyncio.Event()
         self.to_filter: list[int] = []
+        self.unstreamed: list[tuple[Job, object]] = []  # the last step's (job, generation), applied, not yet streamed
+        self.in_flight: set[int] = set()  # the requests sampling in the step the shards are computing
         self._seen_lookups = self._seen_hits = 0
         self.recovering = False
         self.failed = False  # the shards failed and were not replaced; cleared by the next answer
@@ -76,13 +85,15 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
-            for job in [j for j in self.jobs.values() if j.cancelled]:
+            for job in [j for j in self.jobs.values() if j.cancelled and j.request.state is not State.FINISHED]:
                 self.scheduler.finish(job.request)
+                self._left(job.request)
                 self._retire(job)
             if not await self._filter():
                 continue
             self.observe()
             if not self.busy:
+                self._stream()
                 await self._idle()
                 continue
             began = time.perf_counter()
@@ -92,12 +103,14 @@ class Engine:
             try:
                 await self._move(step)
                 if not step.entries:
+                    self._stream()
                     await self._idle()
                     continue
                 self._observe_gap()
                 sent = time.perf_counter()
-                resp = await self.shards.step(step, self.jobs)
+                resp = await self._run(step)
             except ShardError as e:
+                self.in_flight = set()
                 await self._shard_failed(e, step)
                 continue
             self.answered_at = time.perf_counter()
@@ -107,6 +120,18 @@ class Engine:
             self.trace.ran(took)
             self._apply(step, resp, Outcome(seconds=took))
             metrics.router_step.observe(planning + time.perf_counter() - self.answered_at)
+
+    async def _run(self, step: Step):
+        """Runs the step on the shards and, while they compute it, streams the previous step's tokens."""
+        call = asyncio.ensure_future(self.shards.step(step, self.jobs))
+        self.in_flight = {e.request.id for e in step.entries if e.sample}
+        for _ in range(SEND_TURNS):  # let the call reach the shards before the loop turns to the streams
+            await asyncio.sleep(0)
+        self._stream()
+        try:
+            return await call
+        finally:
+            self.in_flight = set()
 
     def _observe_gap(self) -> None:
         """The shards' idle time between two steps while requests run: the router's work, its other calls."""
@@ -128,29 +153,45 @@ class Engine:
 
     def _apply(self, step: Step, resp, outcome: Outcome) -> None:
         """The step's outcome (its time already in `outcome`): prompt logprobs, then the tokens, through the
-        scheduler, to the jobs."""
+        scheduler; their text and streams wait for the next step to be sent (`_stream`)."""
         for p in resp.prefill:
             if p.id in self.jobs:
                 self.jobs[p.id].on_prefill(p.logprobs)
-        pieces = {}
         for g in resp.generations:
             job = self.jobs.get(g.id)
-            if job is not None and job.finish_reason is None:
+            if job is not None and job.request.state is not State.FINISHED:
                 outcome.tokens[g.id] = g.token_id
-                pieces[g.id] = job.detokenizer.add(g.token_id)
-                if job.detokenizer.stopped(pieces[g.id]):
-                    outcome.stopped.add(g.id)
-        finished = self.scheduler.update(step, outcome)
-        for g in resp.generations:
-            if g.id in pieces:
-                self.jobs[g.id].on_token(g, pieces[g.id])
-        for req in finished:
-            self._retire(self.jobs[req.id])
+                self.unstreamed.append((job, g))
+        for req in self.scheduler.update(step, outcome):
+            self._left(req)
+
+    def _stream(self) -> None:
+        """The last step's tokens to their jobs: text pieces, stop sequences, events. A request a stop sequence
+        ends leaves the scheduler here; if it samples in the step in flight, that token is discarded."""
+        unstreamed, self.unstreamed = self.unstreamed, []
+        for job, g in unstreamed:
+            if self.jobs.get(job.id) is not job:  # failed or ended meanwhile
+                continue
+            piece = job.detokenizer.add(g.token_id)
+            req = job.request
+            if req.finish_reason in (None, "length") and job.detokenizer.stopped(piece):
+                if req.state is State.FINISHED:  # its last token also ended the text with a stop sequence
+                    req.finish_reason = "stop_sequence"
+                else:
+                    self.scheduler.finish(req, "stop_sequence")
+                    self._left(req, discarded=int(req.id in self.in_flight))
+            job.on_token(g, piece)
+            if job.finish_reason is not None:
+                self._retire(job)
+
+    def _left(self, req, discarded: int = 0) -> None:
+        """A request left the scheduler: the shards forget it before the next step; the trace books the tokens
+        it was given steps for (`discarded`: one more, sampled in the step in flight and dropped)."""
+        self.to_filter.append(req.id)
+        self.trace.finish(req, discarded)
 
     def _retire(self, job: Job) -> None:
-        """Books a request that left the scheduler; the shards forget it before the next step."""
-        self.trace.finish(job.request)
-        self.to_filter.append(job.id)
+        """Books a job that is done: its last token streamed, or its client gone."""
         del self.jobs[job.id]
         if job.finish_reason is None:
             log.info("request %d cancelled by its client", job.id)

@@ -22,8 +22,9 @@ queue_duration = Histogram("tgi_request_queue_duration", "Seconds from arrival t
                            registry=registry, buckets=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
 forward_duration = Histogram("tgi_batch_forward_duration", "Shard forward seconds per step", ["method"],
                              registry=registry, buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5])
-router_step = Histogram("cb_router_step_seconds", "The router's own work per step: planning it and applying its "
-                        "outcome (tokens to requests, detokenizing, stop sequences, streams)", registry=registry,
+router_step = Histogram("cb_router_step_seconds", "The router's own work between two steps: planning one and "
+                        "applying the last one's tokens to their requests (text, stop sequences and streams are "
+                        "done while the next step computes)", registry=registry,
                         buckets=[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05])
 step_gap = Histogram("cb_step_gap_seconds", "Shard idle time between a step's answer and the next step's call while "
                      "requests run (the router's work and its other shard calls)", registry=registry,

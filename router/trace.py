@@ -22,9 +22,11 @@ class Trace:
             self.arrivals.append({"id": req.id, "prompt_tokens": len(req.prompt_ids),
                                   "max_new_tokens": req.max_new_tokens, "priority": req.priority})
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, discarded: int = 0) -> None:
+        """`discarded`: tokens it was given steps for beyond those it kept (a stop sequence found while the next
+        step ran), so a replay schedules it for as long as the live router did."""
         if self.out:
-            self.finished.append([req.id, len(req.generated)])
+            self.finished.append([req.id, len(req.generated) + discarded])
 
     def ran(self, seconds: float) -> None:
         """The last step's measured time (what the pacer learned from), written with the next line."""
