@@ -96,10 +96,14 @@ def sample(logits: torch.Tensor, params: list[Params], histories: list, position
     logits = penalize(finite(logits.float()), params, histories)
     logprobs = logits.log_softmax(-1)
     greedy = logits.argmax(-1)
+    tokens, chosen = greedy.tolist(), logprobs.gather(1, greedy[:, None])[:, 0].tolist()  # one op for every row
     out = []
     for i, p in enumerate(params):
+        if p.greedy and not p.top_n_tokens:
+            out.append((tokens[i], chosen[i], []))
+            continue
         row = logprobs[i]
-        token = int(greedy[i])
+        token = tokens[i]
         if not p.greedy:
             warped = finite(warp(logits[i], p)).log_softmax(-1)
             if bool(warped.isfinite().any()):  # else every token was masked: the row's argmax
