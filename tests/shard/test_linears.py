@@ -1,5 +1,6 @@
 """The linear kernels (shard/linears.py) on a shard's Runner in-process (a small random Llama): bf16 on its packed
-weights gives exactly F.linear's numbers; --quantize int8 and int4 really hold their weights quantized, the logits
+weights gives exactly F.linear's numbers; fp32 takes, per row count, the way timed fastest, each equal to F.linear
+to rounding; --quantize int8 and int4 really hold their weights quantized, the logits
 stay close to the unquantized model's, and a request's greedy tokens do not depend on what shares its batch."""
 import pytest
 import torch
@@ -47,6 +48,33 @@ def test_packed_bf16_equals_f_linear_bit_for_bit():
         for rows in (1, 3, 8, 17, 64, 300):
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)
             assert torch.equal(packed(x), plain(x)), (out_features, in_features, rows)
+
+
+def test_tuned_fp32_ways_equal_f_linear_and_the_timings_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("CB_CACHE", str(tmp_path))
+    monkeypatch.setattr(linears, "_plans", {})
+    torch.manual_seed(0)
+    plain = nn.Linear(128, 384, bias=True)
+    tuned = linears.kernel_for(plain, None, torch.device("cpu"), head=False)
+    assert isinstance(tuned, linears.Tuned) and set(tuned.plan.ways) == set(linears.PROBES)
+    measured = dict(tuned.plan.ways)
+    tuned.packed = linears._pack(plain.weight.detach())
+    for way in ("linear", "transposed", "tile"):
+        tuned.plan = linears.Plan({n: way for n in linears.PROBES})
+        for rows in (1, 5, 16, 33, 64):
+            x = torch.randn(rows, 128)
+            torch.testing.assert_close(tuned(x), plain(x), rtol=1e-5, atol=1e-5)
+    plan = linears.Plan({n: "tile" if n == 64 else "transposed" for n in linears.PROBES})
+    assert plan.way(49) == plan.way(64) == "tile" and plan.way(48) == "transposed"
+    assert plan.way(linears.PROBES[-1] + 1) == "linear", "beyond the probes: F.linear"
+    monkeypatch.setattr(linears, "_plans", {})  # a new process: the plan comes from disk, nothing is timed
+    monkeypatch.setattr(linears.Plan, "measure", classmethod(lambda cls, o, i: pytest.fail("timed twice")))
+    assert linears.plan_for(384, 128).ways == measured
+
+
+def test_fp32_model_linears_are_tuned(tiny_llama):
+    loaded = model_lib.load(str(tiny_llama), "float32", torch.device("cpu"), 0, 1)
+    assert sum(isinstance(m, linears.Tuned) for m in loaded.model.modules()) == 3 * 4 + 1
 
 
 @pytest.mark.parametrize("mode, kind, bits", [("int8", linears.Int8, torch.int8), ("int4", linears.Int4, torch.uint8)])
