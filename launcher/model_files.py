@@ -23,7 +23,7 @@ class ModelNotFoundError(Exception):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("CB_CACHE") or Path.home() / ".cache" / "cb" / "models").expanduser()
+    return Path(os.environ.get("CB_CACHE") or Path.home() / ".cache" / "cb").expanduser() / "models"
 
 
 def resolve_model(model_id: str) -> Path:

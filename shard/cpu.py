@@ -1,5 +1,8 @@
-"""What this machine's CPU can do, from the flags Linux reports (empty elsewhere: callers then assume the least)."""
+"""What this machine's CPU can do, from the flags Linux reports (empty elsewhere: callers then assume the least),
+and where the shard keeps what it built or measured for this machine."""
+import os
 from functools import lru_cache
+from pathlib import Path
 
 
 @lru_cache(maxsize=None)
@@ -9,3 +12,8 @@ def flags() -> frozenset[str]:
             return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
     except OSError:
         return frozenset()
+
+
+def cache_dir(kind: str) -> Path:
+    """$CB_CACHE (default ~/.cache/cb, as the launcher's converted models) / kind."""
+    return Path(os.environ.get("CB_CACHE") or Path.home() / ".cache" / "cb").expanduser() / kind

@@ -145,7 +145,7 @@ def _plan_file() -> Path:
     machine = " ".join([platform.processor(), platform.machine(), *sorted(cpu.flags()), torch.__version__,
                         str(torch.get_num_threads()), ",".join(map(str, PROBES))])
     name = hashlib.sha256(machine.encode()).hexdigest()[:16]
-    return Path(os.environ.get("CB_CACHE", Path.home() / ".cache" / "cb")) / "linears" / f"plans-{name}.json"
+    return cpu.cache_dir("linears") / f"plans-{name}.json"
 
 
 def tunes_f32() -> bool:

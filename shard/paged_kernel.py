@@ -29,10 +29,6 @@ _lib = None
 _tried = False
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CB_CACHE", Path.home() / ".cache" / "cb")) / "kernels"
-
-
 def _build() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -40,7 +36,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu.flags())]).encode())
-    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    target = cpu.cache_dir("kernels") / f"paged_decode-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # shards build at once: rename is atomic
