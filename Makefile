@@ -31,7 +31,7 @@ test: install
 test-unit: install
 	$(BIN)/pytest -q tests/unit $(ARGS)
 
-# Starts its own server (bf16, port 8081), replays W64 exactly, stops it, then measures the forward ceiling.
+# Starts its own server (--dtype auto, port 8081), replays W64 exactly, stops it, then measures the forward ceiling.
 bench: install
 	$(BIN)/cb-bench --launch --port 8081 --launcher-args "--max-batch-total-tokens 32768" $(ARGS)
 
@@ -46,7 +46,7 @@ bench-memory: install
 profile: install
 	$(BIN)/python -m bench.profile $(ARGS)
 
-# A long mixed load on its own default server (bf16): 1,000 requests at concurrency 32 in 4 rounds; errors, lost
+# A long mixed load on its own default server (--dtype auto): 1,000 requests at concurrency 32 in 4 rounds; errors, lost
 # requests, RSS of every server process after each round, KV cache idle at the end (see bench/soak.py).
 soak: install
 	$(BIN)/python -m bench.soak $(ARGS)
