@@ -110,7 +110,6 @@ class Engine:
                 sent = time.perf_counter()
                 resp = await self._run(step)
             except ShardError as e:
-                self.in_flight = set()
                 await self._shard_failed(e, step)
                 continue
             self.answered_at = time.perf_counter()

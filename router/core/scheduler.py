@@ -25,7 +25,7 @@ tokens join its prompt, it waits by rank).
 If nothing at all could be scheduled, the worst-ranked running request is evicted and the step planned again.
 
 After the step ran, `update` applies its outcome: the one place where a sampled token joins its request and the
-request finishes (a stop token, a stop sequence, max_new_tokens) and leaves, and the pacer learns how long
+request finishes (a stop token, max_new_tokens) and leaves, and the pacer learns how long
 the step took. The engine, the simulator and the
 tests all drive the scheduler through schedule() and update(). Every block decision goes through the KV
 manager (kv.py). Pure Python: no torch, no grpc, no asyncio.
@@ -91,9 +91,9 @@ class Scheduler:
             self._evict(max(self.running, key=_rank), step)  # deadlock: nothing fit, make room and retry
 
     def update(self, step: Step, outcome: Outcome) -> list[Request]:
-        """Applies a step's outcome: each sampled token joins its request, which finishes on a stop token, on a
-        stop sequence or at max_new_tokens, in that order of precedence. Returns the requests that finished;
-        they have already left and freed their blocks."""
+        """Applies a step's outcome: each sampled token joins its request, which finishes on a stop token or at
+        max_new_tokens, in that order of precedence. Returns the requests that finished; they have already left
+        and freed their blocks."""
         if self.pacer is not None and outcome.seconds:
             self.pacer.observe(step.decodes, step.chunks, outcome.seconds)
         finished = []
@@ -105,8 +105,6 @@ class Scheduler:
             req.generated.append(token)
             if token in req.stop_ids:
                 self.finish(req, "eos_token")
-            elif req.id in outcome.stopped:
-                self.finish(req, "stop_sequence")
             elif req.is_done_generating:
                 self.finish(req, "length")
             else:

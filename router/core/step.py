@@ -56,8 +56,8 @@ class Step:
 
 @dataclass
 class Outcome:
-    """What running a step produced: the token sampled for each request that sampled, and the requests whose
-    text now ends with a stop sequence (only the router's detokenizer can tell), and how long it took."""
+    """What running a step produced: the token sampled for each request that sampled, and how long it took. Stop
+    sequences are not here: only the router's detokenizer can tell, and it reads the text while the next step
+    runs (router/engine.py ends those requests with `Scheduler.finish`)."""
     tokens: dict[int, int] = field(default_factory=dict)
-    stopped: set[int] = field(default_factory=set)
     seconds: float = 0.0  # how long the step took (0: not measured); the pacer learns from it
