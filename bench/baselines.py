@@ -196,11 +196,15 @@ def _collect(mgr, n: int, stamps: dict[str, list[float]], errors: dict[str, str]
                 bar.update(1)
 
 
+def local_device(device: Optional[str]) -> str:
+    """Where the in-process runs (baselines, the ceiling) go: the one asked for, else cuda when there is one."""
+    import torch
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def run(name: str, reqs: list[Req], arrivals: list[float], model_dir: str, dtype: str, device: Optional[str],
         batch_size: int, num_blocks: int, block_size: int, max_batch_tokens: int, progress: bool = True):
-    if device is None:
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = local_device(device)
     if name == "static":
         return run_static(reqs, arrivals, model_dir, dtype, device, batch_size, progress)
     if name == "transformers-cb":

@@ -238,14 +238,12 @@ def local_dtype(device: Optional[str]) -> str:
     import torch
 
     from shard.model import resolve_dtype
-    return resolve_dtype("auto", torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    return resolve_dtype("auto", torch.device(baselines.local_device(device)))
 
 
 def measure_ceiling(model_dir: str, dtype: str, device: Optional[str]) -> dict:
     from bench.ceiling import measure_ceiling as measure
-    if device is None:
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = baselines.local_device(device)
     c = measure(model_dir, dtype, device)
     typer.echo(f"ceiling ({dtype}, {device}): decode b{c['decode_batch']}@{c['decode_ctx']} "
                f"{c['decode_step_s'] * 1e3:.1f} ms/step = {c['decode_tok_s']:.1f} tok/s; "

@@ -73,12 +73,11 @@ class Bench:
     def __init__(self, model_dir: str, dtype: str, block_size: int, quantize: Optional[str] = None):
         import torch
 
-        from shard.model import load, resolve_dtype
+        from shard.model import load
         from shard.runner import Runner
 
         self.device = torch.device("cpu")
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.loaded = load(model_dir, self.dtype, self.device, 0, 1, quantize)
+        self.loaded = load(model_dir, dtype, self.device, 0, 1, quantize)
         self.runner = Runner(self.loaded, self.device, block_size, 0, 1)
         self.block_size = block_size
 
@@ -178,7 +177,7 @@ def main(model_id: str = typer.Option(DEFAULTS.model_id), dtype: str = typer.Opt
 
     bench = Bench(str(resolve_model(model_id)), dtype, DEFAULTS.block_size, quantize)
     _tag(bench.loaded.model)
-    dtype = bench.dtype
+    dtype = bench.loaded.dtype_name
     typer.echo(f"{model_id} ({dtype}{', ' + quantize if quantize else ''}), torch {torch.__version__}, "
                f"{torch.get_num_threads()} threads")
     result = {"model_id": model_id, "dtype": dtype, "quantize": quantize, "threads": torch.get_num_threads(),

@@ -40,8 +40,8 @@ def main(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if world_size > 1:
         init_process_group(rank, world_size, rendezvous, dev)
-    dtype = model_lib.resolve_dtype(dtype, dev)
     loaded = model_lib.load(model_dir, dtype, dev, rank, world_size, quantize)
+    dtype = loaded.dtype_name
     logging.getLogger("shard").info("loaded %s (%s, %s%s) on %s, %d KV heads on this rank", model_dir,
                                     loaded.config.model_type, dtype, f", {quantize} linears" if quantize else "",
                                     dev, loaded.kv_heads)

@@ -101,7 +101,7 @@ class Plan:
     @classmethod
     def measure(cls, out_features: int, in_features: int) -> "Plan":
         weight = torch.randn(out_features, in_features)
-        packed = _pack(weight) if TILE in PROBES else None
+        packed = _pack(weight)
         ways = {}
         for n in PROBES:
             rows = torch.randn(n, in_features)

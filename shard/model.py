@@ -41,6 +41,11 @@ class LoadedModel:
     dtype: torch.dtype  # of the KV cache
     quantize: Optional[str]  # None, "int8" or "int4" (linears.py)
 
+    @property
+    def dtype_name(self) -> str:
+        """What `--dtype auto` became: float32, bfloat16 or float16."""
+        return str(self.dtype).removeprefix("torch.")
+
 
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
