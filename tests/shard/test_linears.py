@@ -12,6 +12,8 @@ from shard.runner import Runner
 from shard.sampling import Params
 from shard.step import Entry
 
+from serve import greedy
+
 BS = 4
 
 
@@ -20,20 +22,6 @@ def runner(path, quantize=None) -> Runner:
     r = Runner(loaded, torch.device("cpu"), BS, 0, 1)
     r.allocate(256)
     return r
-
-
-def greedy(r: Runner, prompts: dict[int, list[int]], n: int) -> dict[int, list[int]]:
-    """Serves the prompts together (one batch, one decode per step), n tokens each."""
-    per = 16
-    out = {rid: [] for rid in prompts}
-    entries = [Entry(rid, p, list(range(k * per, (k + 1) * per)), sample=True, params=Params())
-               for k, (rid, p) in enumerate(prompts.items())]
-    for step in range(n):
-        for g in r.step(entries).generations:
-            out[g.id].append(g.token_id)
-        entries = [Entry(rid, [out[rid][-1]], [], sample=True, cached_tokens=len(prompts[rid]) + step)
-                   for rid in prompts]
-    return out
 
 
 def test_packed_bf16_equals_f_linear_bit_for_bit():

@@ -7,8 +7,8 @@ import torch
 from shard import attention, paged_kernel
 from shard.model import load
 from shard.runner import Runner
-from shard.sampling import Params
-from shard.step import Entry
+
+from serve import greedy
 
 CPU = torch.device("cpu")
 
@@ -57,18 +57,6 @@ def test_shapes_beyond_the_kernel_are_declined():
                                    one + 1, None, torch.zeros(17, 1, 8), 1.0), "17 query heads per KV head"
 
 
-def _greedy(r: Runner, prompts: dict[int, list[int]], n: int) -> dict[int, list[int]]:
-    out = {rid: [] for rid in prompts}
-    entries = [Entry(rid, p, list(range(k * 16, (k + 1) * 16)), sample=True, params=Params())
-               for k, (rid, p) in enumerate(prompts.items())]
-    for step in range(n):
-        for g in r.step(entries).generations:
-            out[g.id].append(g.token_id)
-        entries = [Entry(rid, [out[rid][-1]], [], sample=True, cached_tokens=len(prompts[rid]) + step)
-                   for rid in prompts]
-    return out
-
-
 def test_runner_with_the_kernel_serves_the_same_tokens(tiny_llama, monkeypatch):
     loaded = load(str(tiny_llama), "float32", CPU, 0, 1)
     prompts = {i: [(5 + 11 * i + 3 * k) % 500 for k in range(9 + 23 * i)] for i in range(5)}
@@ -81,7 +69,7 @@ def test_runner_with_the_kernel_serves_the_same_tokens(tiny_llama, monkeypatch):
         assert r.kernel
         r.kernel = kernel
         r.allocate(128)
-        outs.append(_greedy(r, prompts, 40))
+        outs.append(greedy(r, prompts, 40))
         assert bool(calls) == kernel, "the kernel runs exactly when the runner says so"
         calls.clear()
     assert outs[0] == outs[1]
