@@ -41,13 +41,12 @@ def main(
     if world_size > 1:
         init_process_group(rank, world_size, rendezvous, dev)
     loaded = model_lib.load(model_dir, dtype, dev, rank, world_size, quantize)
-    dtype = loaded.dtype_name
     logging.getLogger("shard").info("loaded %s (%s, %s%s) on %s, %d KV heads on this rank", model_dir,
-                                    loaded.config.model_type, dtype, f", {quantize} linears" if quantize else "",
-                                    dev, loaded.kv_heads)
+                                    loaded.config.model_type, loaded.dtype_name,
+                                    f", {quantize} linears" if quantize else "", dev, loaded.kv_heads)
     runner = Runner(loaded, dev, block_size, rank, world_size)
     main = MainThread()
-    server = serve(ShardService(loaded, runner, world_size, dtype, main), uds)
+    server = serve(ShardService(loaded, runner, world_size, main), uds)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -24,19 +24,17 @@ log = logging.getLogger("shard")
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, dtype: str,
-                 main: Optional[MainThread] = None):
+    def __init__(self, loaded: LoadedModel, runner: Runner, world: int, main: Optional[MainThread] = None):
         self.main = main  # where torch runs (see main_thread.py); None: in the calling thread
         self.loaded = loaded
         self.runner = runner
         self.world = world
-        self.dtype = dtype
         self.swap: SwapPool | None = None
 
     def Info(self, request, context):
         m = self.loaded
         return pb.InfoResponse(
-            model_type=m.config.model_type, dtype=self.dtype, device=str(self.runner.device),
+            model_type=m.config.model_type, dtype=m.dtype_name, device=str(self.runner.device),
             world_size=self.world, block_size=self.runner.block_size, num_layers=m.num_layers,
             num_kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.config.vocab_size,
             max_position_embeddings=getattr(m.config, "max_position_embeddings", 0) or 0,
