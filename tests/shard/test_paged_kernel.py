@@ -28,7 +28,8 @@ def _torch_path(q, rows, kc, vc, tables, key_start, kv_len, window, scale):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hkv, group, dim, window, key_start", [(3, 3, 64, None, 0), (2, 4, 32, 40, 0),
-                                                                 (1, 8, 256, 100, 48), (4, 1, 16, None, 0)])
+                                                                 (1, 8, 256, 100, 48), (4, 1, 16, None, 0),
+                                                                 (2, 2, 40, 30, 5)])  # not 16 lanes: plain loops
 def test_kernel_equals_gather_and_matmul(dtype, tol, hkv, group, dim, window, key_start):
     assert paged_kernel.available(CPU), "the C compiler should be on every machine the tests run on"
     torch.manual_seed(0)
