@@ -173,36 +173,10 @@ static inline __attribute__((always_inline)) void attend_avx512(
 }
 #endif
 
-/* One (request, kv head): its `group` query heads against the keys visible to it. */
-static void attend_one(const char *q, long q_sh, long q_st, long row, const char *k_cache, const char *v_cache,
-                       long num_blocks, long block_size, const int64_t *table, long key_start, long kv_len,
-                       long window, char *out, long o_sh, long o_st, long h, long group, long dim, float scale,
-                       int bf16, float *scores) {
-    long esize = bf16 ? 2 : 4;
-    long first = key_start;
-    if (window > 0 && kv_len - window > first) first = kv_len - window;  /* the query sits at kv_len - 1 */
-    long n = kv_len - first;
-    float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM];
-    for (long g = 0; g < group; g++) {
-        const char *src = q + ((h * group + g) * q_sh + row * q_st) * esize;
-        for (long d = 0; d < dim; d++)
-            qf[g][d] = (bf16 ? from_bf16(((const uint16_t *)src)[d]) : ((const float *)src)[d]) * scale;
-    }
-    const long head_base = h * num_blocks * block_size;
-#if defined(__AVX512F__)
-    if (dim % 16 == 0) {
-        if (dim == 64 && bf16)
-            attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 1,
-                          scores, acc);
-        else if (dim == 64)
-            attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 0,
-                          scores, acc);
-        else
-            attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim / 16,
-                          bf16, scores, acc);
-        goto store;
-    }
-#endif
+/* attend_one's maths in plain loops, for any dim: scores, softmax, weighted values into acc (normalised). */
+static void attend_plain(const float (*qf)[MAX_DIM], const char *k_cache, const char *v_cache, long block_size,
+                         const int64_t *table, long head_base, long key_start, long first, long n, long group,
+                         long dim, int bf16, float *scores, float (*acc)[MAX_DIM]) {
     /* scores */
     for (long i = 0; i < n; i++) {
         long p = first + i - key_start;
@@ -256,7 +230,38 @@ static void attend_one(const char *q, long q_sh, long q_st, long row, const char
             for (long d = 0; d < dim; d++) acc[g][d] += w * vf[d];
         }
     }
-store:
+}
+
+/* One (request, kv head): its `group` query heads against the keys visible to it. */
+static void attend_one(const char *q, long q_sh, long q_st, long row, const char *k_cache, const char *v_cache,
+                       long num_blocks, long block_size, const int64_t *table, long key_start, long kv_len,
+                       long window, char *out, long o_sh, long o_st, long h, long group, long dim, float scale,
+                       int bf16, float *scores) {
+    long esize = bf16 ? 2 : 4;
+    long first = key_start;
+    if (window > 0 && kv_len - window > first) first = kv_len - window;  /* the query sits at kv_len - 1 */
+    long n = kv_len - first;
+    float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM];
+    for (long g = 0; g < group; g++) {
+        const char *src = q + ((h * group + g) * q_sh + row * q_st) * esize;
+        for (long d = 0; d < dim; d++)
+            qf[g][d] = (bf16 ? from_bf16(((const uint16_t *)src)[d]) : ((const float *)src)[d]) * scale;
+    }
+    const long head_base = h * num_blocks * block_size;
+#if defined(__AVX512F__)
+    if (dim == 64 && bf16)
+        attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 1, scores,
+                      acc);
+    else if (dim == 64)
+        attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 0, scores,
+                      acc);
+    else if (dim % 16 == 0)
+        attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim / 16, bf16,
+                      scores, acc);
+    else
+#endif
+        attend_plain(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim, bf16,
+                     scores, acc);
     for (long g = 0; g < group; g++) {
         char *dst = out + ((h * group + g) * o_sh + row * o_st) * esize;
         for (long d = 0; d < dim; d++) {
