@@ -7,7 +7,7 @@ swapped for the fastest kernel this device has for the weight's mode.
   packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 stays on `F.linear`.
 - **float32 on CPU** (`Tuned`): the weight is stored transposed ([in, out] in memory, read as [out, in]), so
   rows @ W^T is MKL's plain product, which at 4-16 rows ran 1.3-2x faster here than on the usual layout (the
-  LM head 1.8x at 8 rows; whole decode steps 1.1-1.3x at 4-16 requests); the LM head, whose weight is the
+  LM head 1.8x at 8 rows; whole decode steps 1.1-1.2x at 4-16 requests); the LM head, whose weight is the
   embedding's, gets a transposed copy. Then the same product three ways (`F.linear`; the weight times the
   transposed rows; rows padded to a 64-row tile of a weight MKL packed once), and for each row count the one
   measured fastest on this machine (`Plan`). `F.linear` has MKL pack the weight on every call, which at 12-64
