@@ -96,6 +96,19 @@ static inline __attribute__((always_inline)) __m512 load16(const char *base, lon
     return _mm512_loadu_ps((const float *)base + i);
 }
 
+/* Keys i.. of one cache up to the end of their block (or n): the first one's row, and how many (*take). The next
+ * block is prefetched while this one is read. */
+static inline const char *block_run(const char *cache, long block_size, const int64_t *table, long head_base,
+                                    long key_start, long first, long i, long n, long row_bytes, long *take) {
+    long p = first + i - key_start, off = p % block_size;
+    *take = block_size - off < n - i ? block_size - off : n - i;
+    if (i + *take < n) {
+        const char *next = cache + (head_base + table[p / block_size + 1] * block_size) * row_bytes;
+        for (long b = 0; b < block_size * row_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
+    return cache + (head_base + table[p / block_size] * block_size + off) * row_bytes;
+}
+
 /* attend_one's maths for dim a multiple of 16 (C = dim / 16 vectors a row): sixteen keys scored at once, the
  * running maximum kept from the scores, softmax in vectors, its 1/sum applied once to the output, and the next
  * block prefetched while this one is read (every block is its own 4 KB, where the hardware prefetcher stops).
@@ -107,14 +120,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
     const long esize = bf16 ? 2 : 4, dim = C * 16;
     __m512 mx[MAX_GROUP];
     for (long g = 0; g < group; g++) mx[g] = _mm512_set1_ps(-INFINITY);
-    for (long i = 0; i < n;) {
-        long p = first + i - key_start;
-        long off = p % block_size, take = block_size - off < n - i ? block_size - off : n - i;
-        const char *kb = k_cache + (head_base + table[p / block_size] * block_size + off) * dim * esize;
-        const char *kn = i + take < n
-            ? k_cache + (head_base + table[p / block_size + 1] * block_size) * dim * esize : 0;
-        if (kn)
-            for (long b = 0; b < block_size * dim * esize; b += 64) _mm_prefetch(kn + b, _MM_HINT_T0);
+    for (long i = 0, take; i < n; i += take) {
+        const char *kb = block_run(k_cache, block_size, table, head_base, key_start, first, i, n, dim * esize, &take);
         for (long j0 = 0; j0 < take; j0 += 16) {
             long m = take - j0 < 16 ? take - j0 : 16;
             for (long g = 0; g < group; g++) {
@@ -133,7 +140,6 @@ static inline __attribute__((always_inline)) void attend_avx512(
                 _mm512_mask_storeu_ps(scores + g * n + i + j0, live, r);
             }
         }
-        i += take;
     }
     float inv[MAX_GROUP];
     for (long g = 0; g < group; g++) {
@@ -151,21 +157,14 @@ static inline __attribute__((always_inline)) void attend_avx512(
     __m512 a[MAX_GROUP][MAX_DIM / 16];
     for (long g = 0; g < group; g++)
         for (long c = 0; c < C; c++) a[g][c] = _mm512_setzero_ps();
-    for (long i = 0; i < n;) {
-        long p = first + i - key_start;
-        long off = p % block_size, take = block_size - off < n - i ? block_size - off : n - i;
-        const char *vb = v_cache + (head_base + table[p / block_size] * block_size + off) * dim * esize;
-        const char *vn = i + take < n
-            ? v_cache + (head_base + table[p / block_size + 1] * block_size) * dim * esize : 0;
-        if (vn)
-            for (long b = 0; b < block_size * dim * esize; b += 64) _mm_prefetch(vn + b, _MM_HINT_T0);
+    for (long i = 0, take; i < n; i += take) {
+        const char *vb = block_run(v_cache, block_size, table, head_base, key_start, first, i, n, dim * esize, &take);
         for (long j = 0; j < take; j++)
             for (long c = 0; c < C; c++) {
                 __m512 v = load16(vb, j * dim + 16 * c, bf16);
                 for (long g = 0; g < group; g++)
                     a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + i + j]), v, a[g][c]);
             }
-        i += take;
     }
     for (long g = 0; g < group; g++)
         for (long c = 0; c < C; c++)
