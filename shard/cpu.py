@@ -15,5 +15,5 @@ def flags() -> frozenset[str]:
 
 
 def cache_dir(kind: str) -> Path:
-    """$CB_CACHE (default ~/.cache/cb, as the launcher's converted models) / kind."""
+    """$CB_CACHE (default ~/.cache/cb) / kind: models (the launcher's converted ones), kernels, linears."""
     return Path(os.environ.get("CB_CACHE") or Path.home() / ".cache" / "cb").expanduser() / kind
