@@ -30,10 +30,11 @@ def _torch_path(q, rows, kc, vc, tables, key_start, kv_len, window, scale):
 @pytest.mark.parametrize("hkv, group, dim, window, key_start", [(3, 3, 64, None, 0), (2, 4, 32, 40, 0),
                                                                  (1, 8, 256, 100, 48), (4, 1, 16, None, 0),
                                                                  (2, 2, 40, 30, 5)])  # not 16 lanes: plain loops
-def test_kernel_equals_gather_and_matmul(dtype, tol, hkv, group, dim, window, key_start):
+@pytest.mark.parametrize("bs", [16, 32])  # 32: more than sixteen keys a block
+def test_kernel_equals_gather_and_matmul(dtype, tol, hkv, group, dim, window, key_start, bs):
     assert paged_kernel.available(CPU), "the C compiler should be on every machine the tests run on"
     torch.manual_seed(0)
-    bs, batch, width = 16, 7, 20
+    batch, width = 7, 320 // bs
     kc = torch.randn(hkv, batch * width + 3, bs, dim).to(dtype)
     vc = torch.randn(hkv, batch * width + 3, bs, dim).to(dtype)
     tables = torch.randperm(batch * width + 3)[:batch * width].view(batch, width)
