@@ -10,8 +10,9 @@ swapped for the fastest kernel this device has for the weight's mode.
   LM head 1.8x at 8 rows; whole decode steps 1.1-1.2x at 4-16 requests); the LM head, whose weight is the
   embedding's, gets a transposed copy. Then the same product three ways (`F.linear`; the weight times the
   transposed rows; rows padded to a 64-row tile of a weight MKL packed once), and for each row count the one
-  measured fastest on this machine (`Plan`). `F.linear` has MKL pack the weight on every call, which at 12-64
-  rows costs more than the product itself. Every way sums in fp32 (the golden tests compare this mode with
+  measured fastest on this machine (`Plan`; on the usual layout `F.linear` had MKL pack the weight on every
+  call, which at 12-64 rows cost more than the product; on this layout the Xeon's plans take it everywhere but
+  at 48-64 rows, where the tile wins). Every way sums in fp32 (the golden tests compare this mode with
   transformers); a weight some row count takes as a tile keeps a packed copy beside the plain one.
 - **`--quantize int8`** (`Int8`): one scale per output channel, torch's int8-weight GEMM. Half the bytes of bf16.
 - **`--quantize int4`** (`Int4`): groups of 32 input channels share a scale and a zero point (the layout of
@@ -83,9 +84,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _product(way: str, rows: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
-    """rows @ weight.T three ways: F.linear (MKL packs the weight on every call, costly at 12-64 rows here),
-    transposed (weight @ rows.T: MKL packs the small side instead), tile (rows padded to TILE on the weight
-    packed once, at load)."""
+    """rows @ weight.T three ways: F.linear (on the transposed storage, MKL's plain product), transposed
+    (weight @ rows.T), tile (rows padded to TILE on the weight packed once, at load)."""
     if way == "transposed":
         return torch.mm(weight, rows.t()).t().contiguous()
     if way == "tile":
