@@ -42,12 +42,15 @@ class Server:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 600) -> None:
+        """Until the router answers /health and the launcher has said `ready` (it polls the router itself; a
+        child that dies before then ends the launch, not a served set)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.logs()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if (httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+                        and "[launcher] ready:" in self.log_path.read_text()):
                     return
             except httpx.HTTPError:
                 pass
