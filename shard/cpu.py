@@ -15,5 +15,6 @@ def flags() -> frozenset[str]:
 
 
 def cache_dir(kind: str) -> Path:
-    """$CB_CACHE (default ~/.cache/cb) / kind: models (the launcher's converted ones), kernels, linears."""
+    """$CB_CACHE (default ~/.cache/cb) / kind: models (the launcher's converted ones), kernels, linears, inductor
+    (torch.compile's, compiled.py)."""
     return Path(os.environ.get("CB_CACHE") or Path.home() / ".cache" / "cb").expanduser() / kind

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shard import attention
+from shard.compiled import paged_attention
 from shard.profiling import scope
 
 
@@ -68,12 +69,20 @@ class LeanLlama(nn.Module):
             v = v.view(tokens, -1, layer.head_dim).transpose(0, 1)
             with scope("module::rotary"):
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            h = h + layer.o_proj(attention.attend(layer.index, q, k, v, layer.scaling, None))
+            h = h + layer.o_proj(_attend(layer.index, q, k, v, layer.scaling))
             x = _rms_norm(layer.norm_post, h)
             with scope("module::MLP"):
                 gate, up = layer.gate_up(x).chunk(2, dim=-1)
                 h = h + layer.down_proj(nn.functional.silu(gate) * up)
         return self.lm_head(_rms_norm(self.norm, h[keep]))
+
+
+def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The paged attention; while torch.compile traces the forward (compiled.py), the same call as an op the
+    graph does not look into."""
+    if torch.compiler.is_compiling():
+        return paged_attention(layer, q, k, v, scale)
+    return attention.attend(layer, q, k, v, scale, None)
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:

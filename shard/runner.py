@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shard import attention, layout, paged_kernel
+from shard import attention, compiled, layout, paged_kernel
 from shard.kv_cache import KVCache, ceil_div
 from shard.model import LoadedModel
 from shard.profiling import scope
@@ -39,7 +39,8 @@ class StepError(Exception):
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int, rank: int, world: int):
+    def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int, rank: int, world: int,
+                 compile_sizes: tuple[int, ...] = ()):
         self.loaded = loaded
         self.device = device
         self.block_size = block_size
@@ -48,6 +49,8 @@ class Runner:
         self.cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
         self.kernel = paged_kernel.available(device)  # decodes read the cache in place: one group, no padding
+        self.compiled = compiled.for_model(loaded.model, device, compile_sizes)  # None: every step eager
+        self.forward = self.compiled or loaded.forward
 
     def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         m = self.loaded
@@ -83,7 +86,7 @@ class Runner:
         attention.set_step(layout)
         try:
             with scope("forward"):
-                logits = self.loaded.forward(ids, positions, torch.tensor(keep, dtype=torch.long, device=self.device))
+                logits = self.forward(ids, positions, torch.tensor(keep, dtype=torch.long, device=self.device))
         finally:
             attention.set_step(None)
         with scope("sample"):
@@ -91,7 +94,8 @@ class Runner:
             generations = self._sample(logits, sampled) if self.rank == 0 and sampled else []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(generations, prefill, time.perf_counter_ns() - start)
+        ran_compiled = self.compiled is not None and self.compiled.covers(ids.shape[0])
+        return StepResult(generations, prefill, time.perf_counter_ns() - start, ran_compiled)
 
     def _collect(self, entries: list[Entry], states: list[RequestState], logits: torch.Tensor, keep: list[int]):
         """Prompt logprobs of the chunks that want them, the rows to sample from; every request moves on."""
@@ -131,7 +135,7 @@ class Runner:
             elif e.sample:
                 keep.append(offset + n - 1)
             offset += n
-        pad = layout.bucket(offset) - offset
+        pad = self._padded(offset) - offset
         if pad:
             ids.append(torch.zeros(pad, dtype=torch.long))
             positions.append(torch.zeros(pad, dtype=torch.long))
@@ -143,6 +147,10 @@ class Runner:
         step_layout = layout.build(groups, slots, window_slots if windowed else None,
                                    self.cache, self.block_size, self.device, offset, self.kernel)
         return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
+
+    def _padded(self, tokens: int) -> int:
+        """The rows a step of `tokens` runs as: the next compiled size, else its bucket (layout.py)."""
+        return (self.compiled and self.compiled.pad_to(tokens)) or layout.bucket(tokens)
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:
         picks = sample(logits[[r for _, _, r in sampled]], [st.params for _, st, _ in sampled],
@@ -201,12 +209,24 @@ class Runner:
         return torch.tensor(st.history, device=self.device) if st.params.penalized else None
 
     def warmup(self, max_prefill_tokens: int) -> None:
-        """One forward at the largest step size, so activation memory is known before the pool is sized."""
+        """One forward at the largest step size, so activation memory is known before the pool is sized; the
+        first time, the compiled step sizes too (steps of that many one-token requests)."""
         blocks = ceil_div(max_prefill_tokens, self.block_size)
         windowed = any(self.loaded.sliding)
-        self.allocate(blocks, blocks if windowed else 0)
+        sizes = self.compiled.sizes if self.compiled and not self.compiled.ready else ()
+        pool = max((blocks, *sizes))
+        self.allocate(pool, pool if windowed else 0)
         self.requests.clear()
         self.step([Entry(0, [1] * max_prefill_tokens, list(range(blocks)), sample=True, params=Params(),
                          new_window_blocks=list(range(blocks)) if windowed else [])])
         self.requests.clear()
+        if sizes:
+            self.compiled.warmup(self._one_token_requests)
         self.cache = None
+
+    def _one_token_requests(self, n: int) -> None:
+        """A step of n requests with a one-token prompt each (n rows), in n fresh blocks."""
+        windowed = self.cache.window is not None
+        self.step([Entry(i, [1], [i], sample=True, params=Params(), new_window_blocks=[i] if windowed else [])
+                   for i in range(n)])
+        self.requests.clear()

@@ -34,3 +34,4 @@ class StepResult:
     generations: list[Sampled]
     prefill: list[tuple[int, list[float]]]  # (request id, logprobs of this chunk's prompt tokens)
     forward_ns: int
+    compiled: bool = False  # the forward ran a graph compiled at Warmup (compiled.py)

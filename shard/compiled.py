@@ -1,0 +1,110 @@
+"""Step sizes compiled once, at Warmup: the lean forward pass through torch.compile (inductor), one mechanism with
+two backends. On CPU inductor fuses the small ops between the GEMMs (norms, rotary, residuals, SiLU: some
+twenty-five a layer, each a few microseconds of dispatch when a step holds one request) and drops the Python
+around them. On CUDA the graphs are also captured (mode "reduce-overhead": CUDA graphs), piece by piece around
+the paged attention, which reads the step's block tables and so stays outside every graph (its op is tagged
+cudagraph-unsafe and inductor partitions the graph around it, as vLLM's piecewise graphs do).
+
+A step runs compiled when its token count, padded up to the next compiled size, is one of the sizes; any other
+step runs the same forward eagerly. On CPU the sizes above 1 share one graph whose token count is symbolic (one
+compile rather than one per size); on CUDA each size is captured alone. A compiled step computes logits for all
+of its rows (one shape per size), and hands back the ones asked for. Nothing compiles after Warmup: were a step
+the graphs do not cover routed to them (a guard fails), it would run eagerly rather than stall the server.
+"""
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+import torch._inductor.config
+from torch import nn
+
+from shard import attention
+
+log = logging.getLogger("cb.shard")
+
+
+@torch.library.custom_op("cb::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """attention.attend as one op no graph looks into: it writes the layer's cache and reads the step's layout,
+    both outside the graph's inputs."""
+    return attention.attend(layer, query, key, value, scale, None)
+
+
+@paged_attention.register_fake
+def _(layer, query, key, value, scale):
+    return query.new_empty(query.shape[1], query.shape[0] * query.shape[2])
+
+
+class CompiledForward:
+    """The model's forward (ids [T], positions [T], rows to keep [K] -> logits [K, vocab]), compiled for a few
+    step sizes, eager for the rest."""
+
+    def __init__(self, model: nn.Module, device: torch.device, sizes: tuple[int, ...]):
+        self.model, self.device, self.sizes = model, device, sizes
+        self.cuda = device.type == "cuda"
+        config = torch._dynamo.config  # on CUDA one graph per size, which dynamo would stop compiling at 8
+        config.recompile_limit = max(config.recompile_limit, len(sizes) + 1)
+        if self.cuda:  # graphs in pieces around the attention op (newer torch does so by default)
+            torch._inductor.config.graph_partition = True
+        self.graphs = torch.compile(model, fullgraph=True, dynamic=False,
+                                    mode="reduce-overhead" if self.cuda else None)
+        self.ready = False  # Warmup compiled every size
+        self.compiling = False  # inside Warmup: a step may compile
+        self.seconds = 0.0  # Warmup's compile time
+
+    def pad_to(self, tokens: int) -> Optional[int]:
+        """The compiled size a step of `tokens` rows is padded to; None beyond the largest."""
+        return next((s for s in self.sizes if s >= tokens), None)
+
+    def warmup(self, run_step: Callable[[int], None]) -> None:
+        """Compiles (and on CUDA captures) every size by running a step of that many tokens through `run_step`.
+        A failure leaves the forward eager, and says why."""
+        start = time.perf_counter()
+        self.compiling = True
+        try:
+            for size in self.sizes:
+                for _ in range(3 if self.cuda else 1):  # CUDA graphs: a warm-up run, the capture, a replay
+                    run_step(size)
+            self.ready = True
+        except Exception as error:  # a model or backend inductor cannot compile: serve eagerly
+            log.warning("compiling step sizes %s failed, every step runs eagerly: %s: %s", self.sizes,
+                        type(error).__name__, str(error)[:2000])
+            self.sizes = ()
+        finally:
+            self.compiling = False
+        self.seconds = time.perf_counter() - start
+        if self.ready:
+            log.info("compiled step sizes %s in %.1f s", ",".join(map(str, self.sizes)), self.seconds)
+
+    def covers(self, tokens: int) -> bool:
+        return (self.ready or self.compiling) and tokens in self.sizes
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if self.covers(ids.shape[0]):
+            return self._compiled(ids, positions, keep)
+        return self.model(ids, positions, keep)
+
+    def _compiled(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        tokens, wanted = ids.shape[0], keep.shape[0]
+        every_row = torch.arange(tokens, device=keep.device)
+        if tokens > 1 and not self.cuda:  # one graph for every size above 1 (dynamo keeps 1 apart)
+            for t in (ids, positions, every_row):
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.sizes[-1])
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.compiler.set_stance("default" if self.compiling else "eager_on_recompile"):
+            logits = self.graphs(ids, positions, every_row)
+        if self.cuda or wanted != tokens or not torch.equal(keep, every_row):
+            return logits[keep]  # on CUDA a copy: the graph's output memory is the next replay's
+        return logits
+
+
+def for_model(model: nn.Module, device: torch.device, sizes: tuple[int, ...]) -> Optional[CompiledForward]:
+    """The compiled forward of a lean model, or None (no sizes, or transformers' own modules, which stay eager)."""
+    from shard.lean import LeanLlama
+
+    if not sizes or not isinstance(model, LeanLlama):
+        return None
+    return CompiledForward(model, device, sizes)
