@@ -1,12 +1,14 @@
 """What the launcher refuses before it spawns anything: mistakes that would otherwise surface only after every
 shard has loaded, buried in a child's traceback. Each rule is the one its process applies (imported from it, not
-restated): the shards' split rule, the router's reading of the API key, its pacer's ratio."""
+restated): the shards' split rule and reading of --compile-sizes, the router's reading of the API key, its pacer's
+ratio."""
 import json
 from pathlib import Path
 
 from router.core.pacing import pacer
 from router.server import api_key
 from router.settings import Settings
+from shard import compile_sizes
 from shard.split_rule import SplitWidths, check_shard_count
 
 
@@ -18,6 +20,7 @@ def check_launch(settings: Settings, model_dir: Path) -> None:
     try:
         api_key(settings)
         pacer(settings.prefill_step_ratio)
+        compile_sizes.parse(settings.compile_sizes, settings.device)
         if settings.num_shard > 1:
             check_shard_count(split_widths(model_dir, settings), settings.num_shard, settings.model_id)
     except ValueError as error:

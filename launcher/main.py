@@ -31,7 +31,8 @@ def shard_argv(settings: Settings, model_dir: Path, rank: int, socket: str, rend
     quantize = as_flags(quantize=settings.quantize) if settings.quantize else []
     return [sys.executable, "-m", "shard", *as_flags(
         model_dir=model_dir, rank=rank, world_size=settings.num_shard, uds=socket, rendezvous=rendezvous,
-        dtype=settings.dtype, device=settings.device, block_size=settings.block_size), *quantize]
+        dtype=settings.dtype, device=settings.device, block_size=settings.block_size,
+        compile_sizes=settings.compile_sizes), *quantize]
 
 
 @app.command()

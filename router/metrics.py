@@ -29,6 +29,8 @@ router_step = Histogram("cb_router_step_seconds", "The router's own work between
 step_gap = Histogram("cb_step_gap_seconds", "Shard idle time between a step's answer and the next step's call while "
                      "requests run (the router's work and its other shard calls)", registry=registry,
                      buckets=[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1])
+forward_steps = Counter("cb_forward_steps", "Forward passes by how they ran: compiled (a step size compiled at "
+                        "start-up, --compile-sizes) or eager", ["path"], registry=registry)
 batch_size = Gauge("tgi_batch_current_size", "Requests in the running batch", registry=registry)
 queue_size = Gauge("tgi_queue_size", "Requests waiting", registry=registry)
 preemptions = Counter("cb_preemptions", "Requests soft-reset to free KV blocks", registry=registry)
@@ -60,6 +62,7 @@ def observe_step(step, resp) -> None:
     computed_tokens.inc(resp.tokens)
     prefill_chunks.inc(sum(1 for e in step.entries if not e.decode and not e.sample))
     forward_duration.labels("prefill" if step.has_prefill else "decode").observe(resp.forward_ns / 1e9)
+    forward_steps.labels("compiled" if resp.compiled else "eager").inc()
 
 
 def observe_moves(step) -> None:

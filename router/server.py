@@ -130,6 +130,7 @@ async def start_engine(s: Settings, shards):
         num_swap_blocks=kv.swap.num_blocks if kv.swap else 0,
         num_window_blocks=kv.window.blocks.num_blocks if kv.window else 0, scheduler=s.scheduler,
         safety_margin=s.margin, prefill_step_ratio=s.prefill_step_ratio, prefix_caching=kv.prefix_caching,
+        compiled_step_sizes=list(pools.compiled_sizes), compile_seconds=round(pools.compile_seconds, 1),
         max_stop_sequences=s.max_stop_sequences, max_top_n_tokens=s.max_top_n_tokens)
 
 

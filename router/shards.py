@@ -86,7 +86,9 @@ class Shards:
             answers = await self._every("Warmup", request, WARMUP_TIMEOUT)
         return pb.WarmupResponse(num_blocks=smallest,
                                  num_window_blocks=min(a.num_window_blocks for a in answers),
-                                 num_swap_blocks=min(a.num_swap_blocks for a in answers))
+                                 num_swap_blocks=min(a.num_swap_blocks for a in answers),
+                                 compiled_sizes=answers[0].compiled_sizes,
+                                 compile_seconds=max(a.compile_seconds for a in answers))
 
     async def offload(self, step: Step) -> None:
         await self._all("Offload", pb.OffloadRequest(

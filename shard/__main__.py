@@ -10,6 +10,8 @@ from typing import Optional
 
 import typer
 
+from shard.cpu import cache_dir
+
 app = typer.Typer(add_completion=False, rich_markup_mode=None)
 
 
@@ -24,12 +26,15 @@ def main(
     device: str = typer.Option(...),
     block_size: int = typer.Option(...),
     quantize: Optional[str] = typer.Option(None),
+    compile_sizes: str = typer.Option(..., help="step sizes compiled at warmup (compile_sizes.py)"),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))  # kept across reboots, unlike /tmp
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     import torch
 
     from shard import model as model_lib
+    from shard import compile_sizes as sizes
     from shard.main_thread import MainThread
     from shard.runner import Runner
     from shard.server import ShardService, pick_device, serve
@@ -44,7 +49,7 @@ def main(
     logging.getLogger("shard").info("loaded %s (%s, %s%s) on %s, %d KV heads on this rank", model_dir,
                                     loaded.config.model_type, loaded.dtype_name,
                                     f", {quantize} linears" if quantize else "", dev, loaded.kv_heads)
-    runner = Runner(loaded, dev, block_size, rank, world_size)
+    runner = Runner(loaded, dev, block_size, rank, world_size, sizes.parse(compile_sizes, dev.type))
     main = MainThread()
     server = serve(ShardService(loaded, runner, world_size, main), uds)
     stop = threading.Event()

@@ -66,8 +66,11 @@ class ShardService(pb_grpc.ShardServicer):
         if self.swap:
             log.info("swap pool: %d blocks (%.1f MiB of host memory)", sizes.num_swap_blocks,
                      sizes.num_swap_blocks * sizes.bytes_per_block / 2**20)
+        compiled = r.compiled if r.compiled and r.compiled.ready else None
         return pb.WarmupResponse(num_blocks=sizes.num_blocks, num_window_blocks=sizes.num_window_blocks,
-                                 num_swap_blocks=sizes.num_swap_blocks)
+                                 num_swap_blocks=sizes.num_swap_blocks,
+                                 compiled_sizes=compiled.sizes if compiled else [],
+                                 compile_seconds=compiled.seconds if compiled else 0.0)
 
     @on_main_thread
     def _step(self, request, context):
@@ -80,7 +83,8 @@ class ShardService(pb_grpc.ShardServicer):
                                        top_tokens=[pb.TopToken(token_id=t, logprob=v) for t, v in g.top])
                          for g in result.generations],
             prefill=[pb.PrefillLogprobs(id=i, logprobs=lps) for i, lps in result.prefill],
-            forward_ns=result.forward_ns, tokens=sum(len(e.input_ids) for e in request.entries))
+            forward_ns=result.forward_ns, tokens=sum(len(e.input_ids) for e in request.entries),
+            compiled=result.compiled)
 
     Prefill = _step
     Decode = _step

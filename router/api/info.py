@@ -29,6 +29,8 @@ class Info(BaseModel):
     safety_margin: float
     prefill_step_ratio: float = 0.0  # 0: prompt chunks bounded by max_batch_prefill_tokens alone
     prefix_caching: bool
+    compiled_step_sizes: list[int] = []  # steps of these many tokens run graphs compiled at start-up
+    compile_seconds: float = 0.0
     max_stop_sequences: int
     max_top_n_tokens: int
     router: str = "cb-router"

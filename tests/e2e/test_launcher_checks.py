@@ -39,6 +39,12 @@ def test_a_shard_count_that_cannot_split_the_model_fails_at_once(model_dir):
     assert seconds < 15
 
 
+def test_compile_sizes_that_are_not_a_list_of_sizes_fail_at_once(model_dir):
+    for sizes in ("1,two", "-8"):
+        code, lines, seconds = launch("--compile-sizes", sizes)
+        assert code == 2 and len(lines) == 1 and "--compile-sizes" in lines[0] and seconds < 15, (sizes, lines)
+
+
 def test_an_api_key_file_that_cannot_be_used_fails_at_once(model_dir, tmp_path):
     key = tmp_path / "key"
     key.write_text("s3cret\n")
