@@ -70,15 +70,19 @@ def _breakdown(prof) -> dict[str, float]:
 class Bench:
     """A Runner with `batch` requests each holding `context` tokens, ready for decode steps."""
 
-    def __init__(self, model_dir: str, dtype: str, block_size: int, quantize: Optional[str] = None):
+    def __init__(self, model_dir: str, dtype: str, block_size: int, quantize: Optional[str] = None,
+                 compile_sizes: str = "0"):
         import torch
 
+        from shard import compile_sizes as sizes
         from shard.model import load
         from shard.runner import Runner
 
         self.device = torch.device("cpu")
         self.loaded = load(model_dir, dtype, self.device, 0, 1, quantize)
-        self.runner = Runner(self.loaded, self.device, block_size, 0, 1)
+        self.runner = Runner(self.loaded, self.device, block_size, 0, 1, sizes.parse(compile_sizes, "cpu"))
+        if self.runner.compiled:
+            self.runner.warmup(1)
         self.block_size = block_size
 
     def prime(self, batch: int, context: int) -> list:
@@ -164,6 +168,8 @@ def report(name: str, seconds: float, parts: dict[str, float], tokens: int) -> s
 @app.command()
 def main(model_id: str = typer.Option(DEFAULTS.model_id), dtype: str = typer.Option(DEFAULTS.dtype),
          quantize: Optional[str] = typer.Option(None, help="as the server's --quantize"),
+         compile_sizes: str = typer.Option("0", help="as the server's --compile-sizes (a compiled step's ops show "
+                                                     "as one lump: the split is the eager forward's)"),
          batches: str = typer.Option("1,64", help="decode batch sizes"),
          context: int = typer.Option(256, help="tokens each decoding request holds"),
          prefill: int = typer.Option(512, help="prompt tokens of the prefill step"),
@@ -175,11 +181,12 @@ def main(model_id: str = typer.Option(DEFAULTS.model_id), dtype: str = typer.Opt
     from shard.sampling import Params
     from shard.step import Entry
 
-    bench = Bench(str(resolve_model(model_id)), dtype, DEFAULTS.block_size, quantize)
+    bench = Bench(str(resolve_model(model_id)), dtype, DEFAULTS.block_size, quantize, compile_sizes)
     _tag(bench.loaded.model)
     dtype = bench.loaded.dtype_name
+    compiled = bench.runner.compiled.sizes if bench.runner.compiled else ()
     typer.echo(f"{model_id} ({dtype}{', ' + quantize if quantize else ''}), torch {torch.__version__}, "
-               f"{torch.get_num_threads()} threads")
+               f"{torch.get_num_threads()} threads, compiled step sizes: {','.join(map(str, compiled)) or 'none'}")
     result = {"model_id": model_id, "dtype": dtype, "quantize": quantize, "threads": torch.get_num_threads(),
               "cases": {}}
     for batch in (int(b) for b in batches.split(",")):
