@@ -42,7 +42,7 @@ class CompiledForward:
     step sizes, eager for the rest."""
 
     def __init__(self, model: nn.Module, device: torch.device, sizes: tuple[int, ...]):
-        self.model, self.device, self.sizes = model, device, sizes
+        self.model, self.sizes = model, sizes
         self.cuda = device.type == "cuda"
         config = torch._dynamo.config  # on CUDA one graph per size, which dynamo would stop compiling at 8
         config.recompile_limit = max(config.recompile_limit, len(sizes) + 1)
