@@ -50,7 +50,6 @@ class Runner:
         self.requests: dict[int, RequestState] = {}
         self.kernel = paged_kernel.available(device)  # decodes read the cache in place: one group, no padding
         self.compiled = compiled.for_model(loaded.model, device, compile_sizes)  # None: every step eager
-        self.forward = self.compiled or loaded.forward
 
     def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         m = self.loaded
@@ -86,7 +85,8 @@ class Runner:
         attention.set_step(layout)
         try:
             with scope("forward"):
-                logits = self.forward(ids, positions, torch.tensor(keep, dtype=torch.long, device=self.device))
+                forward = self.compiled or self.loaded.forward
+                logits = forward(ids, positions, torch.tensor(keep, dtype=torch.long, device=self.device))
         finally:
             attention.set_step(None)
         with scope("sample"):
