@@ -5,11 +5,13 @@ around them. On CUDA the graphs are also captured (mode "reduce-overhead": CUDA 
 the paged attention, which reads the step's block tables and so stays outside every graph (its op is tagged
 cudagraph-unsafe and inductor partitions the graph around it, as vLLM's piecewise graphs do).
 
-A step runs compiled when its token count, padded up to the next compiled size, is one of the sizes; any other
-step runs the same forward eagerly. On CPU the sizes above 1 share one graph whose token count is symbolic (one
-compile rather than one per size); on CUDA each size is captured alone. A compiled step computes logits for all
-of its rows (one shape per size), and hands back the ones asked for. Nothing compiles after Warmup: were a step
-the graphs do not cover routed to them (a guard fails), it would run eagerly rather than stall the server.
+On CPU the sizes above 1 share one graph whose token count is symbolic (one compile rather than one per size):
+any step of 2 to the largest size runs it (float32 at its own size; bf16 padded up to a compiled size, since
+oneDNN builds a kernel per shape), and size 1 has its own. On CUDA each size is captured alone and a step is
+padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
+symbolic graph computes logits for the rows asked for only, a CUDA graph for all of its rows (one shape per
+size), handing back those asked for. Nothing compiles after Warmup: were a step the graphs do not cover routed to
+them (a guard fails), it runs eagerly rather than stall the server, and is counted as eager.
 """
 import logging
 import time
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 import torch._inductor.config
+import torch.fx.experimental._config
 from torch import nn
 
 from shard import attention
@@ -79,26 +82,47 @@ class CompiledForward:
             log.info("compiled step sizes %s in %.1f s", ",".join(map(str, self.sizes)), self.seconds)
 
     def covers(self, tokens: int) -> bool:
-        return (self.ready or self.compiling) and tokens in self.sizes
+        """A graph exists for a step of exactly `tokens` rows."""
+        if not (self.ready or self.compiling):
+            return False
+        if self.cuda or tokens == 1:
+            return tokens in self.sizes
+        return 2 <= tokens <= self.sizes[-1]  # the symbolic graph
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The logits, and whether a compiled graph computed them."""
         if self.covers(ids.shape[0]):
-            return self._compiled(ids, positions, keep)
-        return self.model(ids, positions, keep)
+            try:
+                return self._compiled(ids, positions, keep), True
+            except RuntimeError as error:  # a guard failed after Warmup: this step runs eagerly
+                if not str(error).startswith("Detected recompile"):
+                    raise
+        return self.model(ids, positions, keep), False
 
     def _compiled(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         tokens, wanted = ids.shape[0], keep.shape[0]
-        every_row = torch.arange(tokens, device=keep.device)
-        if tokens > 1 and not self.cuda:  # one graph for every size above 1 (dynamo keeps 1 apart)
-            for t in (ids, positions, every_row):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.sizes[-1])
-        if self.cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.compiler.set_stance("default" if self.compiling else "eager_on_recompile"):
-            logits = self.graphs(ids, positions, every_row)
-        if self.cuda or wanted != tokens or not torch.equal(keep, every_row):
-            return logits[keep]  # on CUDA a copy: the graph's output memory is the next replay's
-        return logits
+        if self.cuda or tokens == 1:  # static shapes: every row's logits, then the ones asked for
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            every_row = torch.arange(tokens, device=keep.device)
+            logits = self._run(ids, positions, every_row)
+            if self.cuda or not torch.equal(keep, every_row):
+                return logits[keep]  # on CUDA a copy: the graph's output memory is the next replay's
+            return logits
+        # the symbolic graph: rows and kept rows are sizes of their own, so the LM head computes only the kept
+        # rows (at least two: dynamo keeps sizes 0 and 1 apart, so fewer are padded with row 0 and dropped)
+        rows = keep if wanted >= 2 else torch.cat([keep, keep.new_zeros(2 - wanted)])
+        for t in (ids, positions, rows):
+            torch._dynamo.mark_dynamic(t, 0, min=2, max=self.sizes[-1])
+        logits = self._run(ids, positions, rows)
+        return logits if wanted >= 2 else logits[:wanted]
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if self.compiling:  # rows and kept rows of equal sizes get separate symbols, not one (duck shaping)
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return self.graphs(ids, positions, rows)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self.graphs(ids, positions, rows)
 
 
 def for_model(model: nn.Module, device: torch.device, sizes: tuple[int, ...]) -> Optional[CompiledForward]:

@@ -50,6 +50,10 @@ class Runner:
         self.requests: dict[int, RequestState] = {}
         self.kernel = paged_kernel.available(device)  # decodes read the cache in place: one group, no padding
         self.compiled = compiled.for_model(loaded.model, device, compile_sizes)  # None: every step eager
+        # Steps run at their own size where no kernel is built per shape: float32 on CPU is MKL's GEMMs and
+        # inductor's symbolic graph. bf16 (oneDNN primitives, one per shape) and quantized kernels are padded to
+        # bounded sizes (layout.bucket), as are CUDA graphs (one per compiled size).
+        self.exact_rows = device.type == "cpu" and loaded.dtype == torch.float32 and loaded.quantize is None
 
     def allocate(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         m = self.loaded
@@ -85,8 +89,11 @@ class Runner:
         attention.set_step(layout)
         try:
             with scope("forward"):
-                forward = self.compiled or self.loaded.forward
-                logits = forward(ids, positions, torch.tensor(keep, dtype=torch.long, device=self.device))
+                rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+                if self.compiled is not None:
+                    logits, ran_compiled = self.compiled(ids, positions, rows)
+                else:
+                    logits, ran_compiled = self.loaded.forward(ids, positions, rows), False
         finally:
             attention.set_step(None)
         with scope("sample"):
@@ -94,7 +101,6 @@ class Runner:
             generations = self._sample(logits, sampled) if self.rank == 0 and sampled else []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        ran_compiled = self.compiled is not None and self.compiled.covers(ids.shape[0])
         return StepResult(generations, prefill, time.perf_counter_ns() - start, ran_compiled)
 
     def _collect(self, entries: list[Entry], states: list[RequestState], logits: torch.Tensor, keep: list[int]):
@@ -149,7 +155,10 @@ class Runner:
         return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
 
     def _padded(self, tokens: int) -> int:
-        """The rows a step of `tokens` runs as: the next compiled size, else its bucket (layout.py)."""
+        """The rows a step of `tokens` runs as: all its own where shapes cost nothing, else the next compiled
+        size, else its bucket (layout.py)."""
+        if self.exact_rows:
+            return tokens
         return (self.compiled and self.compiled.pad_to(tokens)) or layout.bucket(tokens)
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:

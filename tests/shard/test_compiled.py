@@ -1,6 +1,7 @@
-"""Compiled step sizes (shard/compiled.py) on a small random Llama in a shard's Runner: a step whose padded size is
-a compiled one runs the graph compiled at warmup, any other runs eagerly, and both give the eager forward's
-greedy tokens and, to float32 rounding, its prompt logprobs."""
+"""Compiled step sizes (shard/compiled.py) on a small random Llama in a shard's Runner: a step a graph compiled at
+warmup covers runs it (in float32 on CPU at its own size: one graph for 1 token, one symbolic graph for 2 up to the
+largest size), any other runs eagerly, and both give the eager forward's greedy tokens and, to float32 rounding,
+its prompt logprobs. A step counts as compiled only when the graph ran (no guard failed)."""
 import pytest
 import torch
 
@@ -26,12 +27,13 @@ def runners(tiny_llama):
     return runner(tiny_llama, ()), runner(tiny_llama, SIZES)
 
 
-def serve(r: Runner, requests: int, prompt: int, decodes: int):
-    """`requests` prompts of `prompt` tokens in one step (logprobs of every prompt token), then `decodes` steps of
-    one token each: (prompt logprobs, greedy tokens, whether each step ran compiled)."""
+def serve(r: Runner, requests: int, prompt: int, decodes: int, logprobs: bool = True):
+    """`requests` prompts of `prompt` tokens in one step (with logprobs: of every prompt token, so every row's
+    logits are kept; without: only each prompt's last row), then `decodes` steps of one token each: (prompt
+    logprobs, greedy tokens, whether each step ran compiled)."""
     r.clear()
     first = r.step([Entry(i, [(31 * i + 7 * k) % 500 + 3 for k in range(prompt)], list(range(8 * i, 8 * i + 8)),
-                          sample=True, params=Params(), prompt_tokens=prompt, prefill_logprobs=True)
+                          sample=True, params=Params(), prompt_tokens=prompt, prefill_logprobs=logprobs)
                     for i in range(requests)])
     tokens = {g.id: [g.token_id] for g in first.generations}
     ran = [first.compiled]
@@ -48,20 +50,33 @@ def test_warmup_compiles_every_size(runners):
     assert compiled.compiled.ready and compiled.compiled.sizes == SIZES and compiled.compiled.seconds > 0
 
 
-@pytest.mark.parametrize("requests, prompt, expect", [
-    (1, 3, [True] + [True] * 6),     # a 3-token prompt is padded to 4; one decode a step
-    (3, 1, [True] + [True] * 6),     # three requests a step, padded to 4
-    (2, 9, [False] + [True] * 6),    # 18 prompt tokens: beyond every size
-    (5, 2, [False] + [False] * 6),   # five decodes a step: beyond every size
+@pytest.mark.parametrize("requests, prompt, logprobs, expect", [
+    (1, 3, True, [True] + [True] * 6),     # a 3-token prompt: the symbolic graph at 3 rows; one decode a step
+    (3, 1, True, [True] + [True] * 6),     # three requests a step
+    (1, 3, False, [True] + [True] * 6),    # 3 rows, the last one's logits kept (padded to the graph's least, 2)
+    (1, 4, False, [True] + [True] * 6),    # a prompt step that keeps fewer rows than it has
+    (2, 9, True, [False] + [True] * 6),    # 18 prompt tokens: beyond every size
+    (5, 2, True, [False] + [False] * 6),   # five decodes a step: beyond every size
 ])
-def test_compiled_and_eager_steps_give_the_eager_tokens(runners, requests, prompt, expect):
+def test_compiled_and_eager_steps_give_the_eager_tokens(runners, requests, prompt, logprobs, expect):
     eager, compiled = runners
-    want_logprobs, want_tokens, ran_eager = serve(eager, requests, prompt, 6)
-    logprobs, tokens, ran = serve(compiled, requests, prompt, 6)
+    want_logprobs, want_tokens, ran_eager = serve(eager, requests, prompt, 6, logprobs)
+    logprobs, tokens, ran = serve(compiled, requests, prompt, 6, logprobs)
     assert not any(ran_eager)
     assert ran == expect
     assert tokens == want_tokens
     assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+
+
+def test_float32_steps_run_at_their_own_size_and_bf16_ones_padded(tiny_llama, runners):
+    """oneDNN builds a kernel per shape for bf16, so its steps are padded to bounded sizes; float32's GEMMs (MKL)
+    and the symbolic graph build nothing per shape, so padding would only add rows to compute."""
+    eager, compiled = runners
+    bf16 = Runner(model_lib.load(str(tiny_llama), "bfloat16", torch.device("cpu"), 0, 1), torch.device("cpu"), BS,
+                  0, 1, SIZES)
+    assert [eager._padded(n) for n in (3, 9, 130)] == [3, 9, 130]
+    assert [compiled._padded(n) for n in (3, 9, 130)] == [3, 9, 130]
+    assert [bf16._padded(n) for n in (3, 9, 130)] == [4, 16, 144]
 
 
 def test_compile_sizes_flag():
