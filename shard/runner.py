@@ -122,19 +122,19 @@ class Runner:
 
     def _batch(self, entries: list[Entry], states: list[RequestState]):
         """The ragged batch, padded to its bucket: token ids and positions [T], the rows whose logits are kept,
-        the layout."""
+        the layout. Built as Python lists, each made a tensor once (layout.build says why)."""
         windowed = self.cache.window is not None
+        bs = self.block_size
         ids, positions, slots, window_slots, keep = [], [], [], [], []
         decode, chunks = [], []
         offset = 0
         for e, st in zip(entries, states):
             n = len(e.input_ids)
-            pos = torch.arange(st.cached, st.cached + n)
-            ids.append(torch.tensor(e.input_ids))
-            positions.append(pos)
-            slots.append(layout.slots(st.blocks, 0, pos, self.block_size))
+            ids.extend(e.input_ids)
+            positions.extend(range(st.cached, st.cached + n))
+            slots.extend(layout.slots(st.blocks, 0, st.cached, n, bs))
             if windowed:
-                window_slots.append(layout.slots(st.window_blocks, st.window_base, pos, self.block_size))
+                window_slots.extend(layout.slots(st.window_blocks, st.window_base, st.cached, n, bs))
             (decode if n == 1 else chunks).append((offset, n, st))
             if st.wants_prefill_logprobs(n):
                 keep.extend(range(offset, offset + n))
@@ -142,17 +142,18 @@ class Runner:
                 keep.append(offset + n - 1)
             offset += n
         pad = self._padded(offset) - offset
-        if pad:
-            ids.append(torch.zeros(pad, dtype=torch.long))
-            positions.append(torch.zeros(pad, dtype=torch.long))
-            slots.append(torch.full((pad,), self.cache.scratch_slot[0]))
-            if windowed:
-                window_slots.append(torch.full((pad,), self.cache.scratch_slot[1]))
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        slots.extend([self.cache.scratch_slot[0]] * pad)
+        if windowed:
+            window_slots.extend([self.cache.scratch_slot[1]] * pad)
         decodes = ([decode] if self.kernel else layout.split_decodes(decode)) if decode else []
         groups = ([chunks] if chunks else []) + decodes
         step_layout = layout.build(groups, slots, window_slots if windowed else None,
                                    self.cache, self.block_size, self.device, offset, self.kernel)
-        return torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), keep, step_layout
+        long = torch.long
+        return (torch.tensor(ids, dtype=long, device=self.device),
+                torch.tensor(positions, dtype=long, device=self.device), keep, step_layout)
 
     def _padded(self, tokens: int) -> int:
         """The rows a step of `tokens` runs as: all its own where shapes cost nothing, else the next compiled
