@@ -1,9 +1,10 @@
-"""The decode attention kernel (kernels/paged_decode.c) on CPU: built once per machine with the system's C
-compiler, loaded with ctypes, called with raw pointers to the step's tensors.
+"""The CPU kernels in C: decode attention (kernels/paged_decode.c) and greedy sampling's reductions
+(kernels/greedy.c), built once per machine with the system's C compiler, loaded with ctypes, called with raw
+pointers to the step's tensors.
 
-It reads each request's keys and values in place through its block table, once, where the torch path gathers
-every decode group's blocks into a padded copy in every layer and reads that twice. Plain C and no torch headers,
-so it compiles in about a second; ctypes releases the GIL during the call. Without a compiler (or on a GPU) the
+Decode attention reads each request's keys and values in place through its block table, once, where the torch
+path gathers every decode group's blocks into a padded copy in every layer and reads that twice. Plain C and no
+torch headers, so it compiles in about a second; ctypes releases the GIL during the call. Without a compiler (or on a GPU) the
 shard keeps the torch path, and says so once.
 """
 import ctypes
@@ -20,7 +21,9 @@ import torch
 
 from shard import cpu
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = [KERNELS / "paged_decode.c", KERNELS / "greedy.c"]
+HEADERS = [KERNELS / "exp.h"]
 DTYPES = (torch.float32, torch.bfloat16)  # the caches it reads
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 log = logging.getLogger("cb.shard")
@@ -34,14 +37,14 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: decode attention gathers the cache instead (slower)")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu.flags())]).encode())
     target = cpu.cache_dir("kernels") / f"paged_decode-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # shards build at once: rename is atomic
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 log.warning("building the decode attention kernel failed, the cache is gathered instead:\n%s",
@@ -50,6 +53,7 @@ def _build() -> ctypes.CDLL | None:
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
     lib.paged_decode.restype = ctypes.c_int
+    lib.greedy_rows.restype = ctypes.c_int
     return lib
 
 
@@ -82,3 +86,19 @@ def decode(q: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ctypes.c_long(out.stride(1)), ctypes.c_long(rows.shape[0]), ctypes.c_long(hkv),
         ctypes.c_long(heads // hkv), ctypes.c_long(dim), ctypes.c_float(scale),
         ctypes.c_int(k_cache.dtype == torch.bfloat16), ctypes.c_int(torch.get_num_threads())) == 0
+
+
+def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+    """Each row's argmax (its first largest value) and that token's log-probability, for float32 CPU logits
+    [rows, vocab] with unit column stride (NaN an impossible token, as sampling.finite makes it); None where the
+    kernel is not there or a row's largest value is infinite (the caller's torch path gives those their meaning)."""
+    if not available(logits.device) or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    if _lib.greedy_rows(_ptr(logits), ctypes.c_long(rows), ctypes.c_long(logits.shape[1]),
+                        ctypes.c_long(logits.stride(0)), _ptr(tokens), _ptr(logprobs),
+                        ctypes.c_int(torch.get_num_threads())) != 0:
+        return None
+    return tokens.tolist(), logprobs.tolist()

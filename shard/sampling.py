@@ -1,4 +1,5 @@
-"""Next-token choice per request: greedy rows in one argmax, sampled rows each with their own generator.
+"""Next-token choice per request: greedy rows in one argmax (on CPU, a batch of only greedy rows in one C pass per
+row, paged_kernel.greedy), sampled rows each with their own generator.
 
 A sampled token's generator is seeded from (request seed, position), so the same seed gives the same text
 whatever else shares the batch and even after the request was preempted and recomputed.
@@ -10,6 +11,8 @@ largest float, and a row left with no possible token falls back to its argmax.
 from dataclasses import dataclass
 
 import torch
+
+from shard import paged_kernel
 
 GREEDY_BELOW = 1e-5  # vLLM's epsilon (router/api/validation.py uses the same): dividing by less overflows
 
@@ -93,6 +96,10 @@ def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
 def sample(logits: torch.Tensor, params: list[Params], histories: list, positions: list[int]):
     """logits [S, V] -> list of (token, logprob, [(top token, logprob)]); logprobs are those of the
     distribution the token was drawn from (after penalties and warpers)."""
+    if logits.dtype == torch.float32 and all(p.greedy and not p.top_n_tokens and not p.penalized for p in params):
+        fast = paged_kernel.greedy(logits)  # one C pass per row; None: NaN/inf rows, or no kernel here
+        if fast is not None:
+            return [(token, logprob, []) for token, logprob in zip(*fast)]
     logits = penalize(finite(logits.float()), params, histories)
     logprobs = logits.log_softmax(-1)
     greedy = logits.argmax(-1)

@@ -98,3 +98,29 @@ def test_normal_values_unchanged():
     probs[order[cum - probs[order] >= 0.9]] = 0
     gen = torch.Generator().manual_seed((42 * 1_000_003 + 7) % 2**63)
     assert alone[0] == int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+@pytest.mark.parametrize("vocab", [V, 49152, 1001])  # 1001: a plain-loop tail after the vector lanes
+def test_greedy_kernel_equals_the_torch_path(vocab):
+    """A batch of only greedy rows goes through one C pass per row (paged_kernel.greedy): the same tokens as the
+    argmax of finite() logits (first index on ties, NaN impossible) and their log_softmax; a row with +inf, or
+    none finite, is left to the torch path, which still answers it."""
+    from shard import paged_kernel
+    from shard.sampling import finite
+
+    rows = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2)) * 4
+    rows[1, 3] = rows[1, vocab - 5] = rows[1].max() + 1  # a tie: the first wins
+    rows[2, :7] = NAN
+    rows[3, 10:] = -INF
+    want = finite(rows).argmax(-1)
+    tokens, logprobs = paged_kernel.greedy(rows)
+    assert tokens == want.tolist()
+    assert torch.allclose(torch.tensor(logprobs), finite(rows).log_softmax(-1).gather(1, want[:, None])[:, 0],
+                          atol=1e-5, rtol=0)
+    for bad in (INF, -INF):
+        odd = rows.clone()
+        odd[4, 11] = bad
+        if bad == -INF:
+            odd[4, :] = -INF
+        assert paged_kernel.greedy(odd) is None
+        assert [t for t, _, _ in sample(odd, [Params()] * 6, [None] * 6, [0] * 6)][:4] == tokens[:4]
