@@ -4,8 +4,8 @@ pointers to the step's tensors.
 
 Decode attention reads each request's keys and values in place through its block table, once, where the torch
 path gathers every decode group's blocks into a padded copy in every layer and reads that twice. Plain C and no
-torch headers, so it compiles in about a second; ctypes releases the GIL during the call. Without a compiler (or on a GPU) the
-shard keeps the torch path, and says so once.
+torch headers, so it compiles in about a second; ctypes releases the GIL during the call. Without a compiler (or
+on a GPU) the shard keeps the torch paths, and says so once.
 """
 import ctypes
 import hashlib
@@ -35,11 +35,11 @@ _tried = False
 def _build() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: decode attention gathers the cache instead (slower)")
+        log.warning("no C compiler found: decode attention gathers the cache and sampling stays in torch (slower)")
         return None
     source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu.flags())]).encode())
-    target = cpu.cache_dir("kernels") / f"paged_decode-{key.hexdigest()[:16]}.so"
+    target = cpu.cache_dir("kernels") / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # shards build at once: rename is atomic
@@ -47,7 +47,7 @@ def _build() -> ctypes.CDLL | None:
             done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                   capture_output=True, text=True)
             if done.returncode != 0:
-                log.warning("building the decode attention kernel failed, the cache is gathered instead:\n%s",
+                log.warning("building the CPU kernels failed, decode attention gathers the cache instead:\n%s",
                             done.stderr[-2000:])
                 return None
             os.replace(built, target)
