@@ -96,8 +96,8 @@ def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
 def sample(logits: torch.Tensor, params: list[Params], histories: list, positions: list[int]):
     """logits [S, V] -> list of (token, logprob, [(top token, logprob)]); logprobs are those of the
     distribution the token was drawn from (after penalties and warpers)."""
-    if logits.dtype == torch.float32 and all(p.greedy and not p.top_n_tokens and not p.penalized for p in params):
-        fast = paged_kernel.greedy(logits)  # one C pass per row; None: NaN/inf rows, or no kernel here
+    if all(p.greedy and not p.top_n_tokens and not p.penalized for p in params):
+        fast = paged_kernel.greedy(logits)  # None: not float32 on CPU, no kernel here, or a row's maximum is inf
         if fast is not None:
             return [(token, logprob, []) for token, logprob in zip(*fast)]
     logits = penalize(finite(logits.float()), params, histories)
