@@ -89,16 +89,18 @@ def decode(q: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
-    """Each row's argmax (its first largest value) and that token's log-probability, for float32 CPU logits
-    [rows, vocab] with unit column stride (NaN an impossible token, as sampling.finite makes it); None where the
-    kernel is not there or a row's largest value is infinite (the caller's torch path gives those their meaning)."""
-    if not available(logits.device) or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    """Each row's argmax (its first largest value) and that token's log-probability, for float32 or bfloat16 CPU
+    logits [rows, vocab] with unit column stride (NaN an impossible token, as sampling.finite makes it; sums in
+    float32); None where the kernel is not there or a row's largest value is infinite (the caller's torch path
+    gives those their meaning)."""
+    if not available(logits.device) or logits.dtype not in DTYPES or logits.dim() != 2 or logits.stride(1) != 1:
         return None
     rows = logits.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
     if _lib.greedy_rows(_ptr(logits), ctypes.c_long(rows), ctypes.c_long(logits.shape[1]),
-                        ctypes.c_long(logits.stride(0)), _ptr(tokens), _ptr(logprobs),
+                        ctypes.c_long(logits.stride(0)), ctypes.c_int(logits.dtype == torch.bfloat16),
+                        _ptr(tokens), _ptr(logprobs),
                         ctypes.c_int(torch.get_num_threads())) != 0:
         return None
     return tokens.tolist(), logprobs.tolist()

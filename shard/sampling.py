@@ -97,7 +97,7 @@ def sample(logits: torch.Tensor, params: list[Params], histories: list, position
     """logits [S, V] -> list of (token, logprob, [(top token, logprob)]); logprobs are those of the
     distribution the token was drawn from (after penalties and warpers)."""
     if all(p.greedy and not p.top_n_tokens and not p.penalized for p in params):
-        fast = paged_kernel.greedy(logits)  # None: not float32 on CPU, no kernel here, or a row's maximum is inf
+        fast = paged_kernel.greedy(logits)  # None: no kernel here, not a CPU float32 or bf16 row, or a max inf
         if fast is not None:
             return [(token, logprob, []) for token, logprob in zip(*fast)]
     logits = penalize(finite(logits.float()), params, histories)

@@ -100,11 +100,12 @@ def test_normal_values_unchanged():
     assert alone[0] == int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [V, 49152, 1001])  # 1001: a plain-loop tail after the vector lanes
-def test_greedy_kernel_equals_the_torch_path(vocab):
+def test_greedy_kernel_equals_the_torch_path(vocab, dtype):
     """A batch of only greedy rows goes through one C pass per row (paged_kernel.greedy): the same tokens as the
-    argmax of finite() logits (first index on ties, NaN impossible) and their log_softmax; a row with +inf, or
-    none finite, is left to the torch path, which still answers it."""
+    argmax of finite() logits (first index on ties, NaN impossible; bf16 rows, widened, hold many ties) and their
+    log_softmax; a row with +inf, or none finite, is left to the torch path, which still answers it."""
     from shard import paged_kernel
     from shard.sampling import finite
 
@@ -112,11 +113,12 @@ def test_greedy_kernel_equals_the_torch_path(vocab):
     rows[1, 3] = rows[1, vocab - 5] = rows[1].max() + 1  # a tie: the first wins
     rows[2, :7] = NAN
     rows[3, 10:] = -INF
-    want = finite(rows).argmax(-1)
+    rows = rows.to(dtype)
+    want = finite(rows.float()).argmax(-1)
     tokens, logprobs = paged_kernel.greedy(rows)
     assert tokens == want.tolist()
-    assert torch.allclose(torch.tensor(logprobs), finite(rows).log_softmax(-1).gather(1, want[:, None])[:, 0],
-                          atol=1e-5, rtol=0)
+    assert torch.allclose(torch.tensor(logprobs),
+                          finite(rows.float()).log_softmax(-1).gather(1, want[:, None])[:, 0], atol=1e-5, rtol=0)
     for bad in (INF, -INF):
         odd = rows.clone()
         odd[4, 11] = bad
