@@ -7,7 +7,7 @@ cudagraph-unsafe and inductor partitions the graph around it, as vLLM's piecewis
 
 On CPU the sizes above 1 share one graph whose token count is symbolic (one compile rather than one per size):
 any step of 2 to the largest size runs it (float32 at its own size; bf16 padded up to a compiled size, since
-oneDNN builds a kernel per shape), and size 1 has its own. On CUDA each size is captured alone and a step is
+oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN runs it eagerly: faster). On CUDA each size is captured alone and a step is
 padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
 symbolic graph computes logits for the rows asked for only, a CUDA graph for all of its rows (one shape per
 size), handing back those asked for. Nothing compiles after Warmup: were a step the graphs do not cover routed to
@@ -59,6 +59,8 @@ class CompiledForward:
 
     def pad_to(self, tokens: int) -> Optional[int]:
         """The compiled size a step of `tokens` rows is padded to; None beyond the largest."""
+        if not self.cuda and self.sizes and tokens < self.sizes[0]:  # below every graph on CPU: eager, unpadded
+            return None
         return next((s for s in self.sizes if s >= tokens), None)
 
     def warmup(self, run_step: Callable[[int], None]) -> None:
@@ -128,7 +130,12 @@ class CompiledForward:
 def for_model(model: nn.Module, device: torch.device, sizes: tuple[int, ...]) -> Optional[CompiledForward]:
     """The compiled forward of a lean model, or None (no sizes, or transformers' own modules, which stay eager)."""
     from shard.lean import LeanLlama
+    from shard.linears import Packed
 
+    if any(isinstance(m, Packed) for m in model.modules()):
+        # bf16 on oneDNN: a step of one request ran 0.89x the eager one's speed compiled (2 to 32 rows:
+        # 1.04-1.06x; in-process, interleaved, 2026-12-06 on the EPYC), so it stays eager
+        sizes = tuple(s for s in sizes if s > 1)
     if not sizes or not isinstance(model, LeanLlama):
         return None
     return CompiledForward(model, device, sizes)

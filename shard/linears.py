@@ -41,6 +41,21 @@ MODES = ("int8", "int4")
 INT4_GROUP = 32
 
 
+_library = torch.library.Library("cb", "FRAGMENT")
+_library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# for compiled step sizes: inductor lowers mkldnn's linear only on weights it froze and packed itself, and fails
+# on a weight packed at load; through this op (no lowering, ~3 us a call) a graph calls the kernel as it is
+_library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("cb::packed_linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])),
+                            lib=_library)
+
+
 class Packed(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -48,7 +63,9 @@ class Packed(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.cb.packed_linear(x, self.weight, self.bias)
+        return _packed_linear(x, self.weight, self.bias)
 
 
 class Tuned(nn.Module):

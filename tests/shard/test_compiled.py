@@ -5,7 +5,7 @@ its prompt logprobs. A step counts as compiled only when the graph ran (no guard
 import pytest
 import torch
 
-from shard import compile_sizes
+from shard import compile_sizes, linears
 from shard import model as model_lib
 from shard.runner import Runner
 from shard.sampling import Params
@@ -15,8 +15,8 @@ BS = 4
 SIZES = (1, 2, 4)
 
 
-def runner(path, sizes: tuple[int, ...]) -> Runner:
-    r = Runner(model_lib.load(str(path), "float32", torch.device("cpu"), 0, 1), torch.device("cpu"), BS, 0, 1, sizes)
+def runner(path, sizes: tuple[int, ...], dtype: str = "float32") -> Runner:
+    r = Runner(model_lib.load(str(path), dtype, torch.device("cpu"), 0, 1), torch.device("cpu"), BS, 0, 1, sizes)
     r.warmup(16)
     r.allocate(256)
     return r
@@ -77,6 +77,20 @@ def test_float32_steps_run_at_their_own_size_and_bf16_ones_padded(tiny_llama, ru
     assert [eager._padded(n) for n in (3, 9, 130)] == [3, 9, 130]
     assert [compiled._padded(n) for n in (3, 9, 130)] == [3, 9, 130]
     assert [bf16._padded(n) for n in (3, 9, 130)] == [4, 16, 144]
+
+
+def test_bf16_compiles_with_its_linears_and_gives_the_eager_tokens(tiny_llama):
+    """bf16 linears on a weight oneDNN packed at load (linears.Packed, where the CPU has bf16 arithmetic) reach
+    the graph as an op inductor does not lower; there one request a step stays eager, as it is faster so."""
+    eager, compiled = runner(tiny_llama, (), "bfloat16"), runner(tiny_llama, SIZES, "bfloat16")
+    packed = linears.packs_bf16()
+    assert compiled.compiled.ready and compiled.compiled.sizes == ((2, 4) if packed else SIZES)
+    for requests, prompt in ((1, 3), (3, 1), (2, 9)):
+        _, want, _ = serve(eager, requests, prompt, 4, False)
+        _, tokens, ran = serve(compiled, requests, prompt, 4, False)
+        assert tokens == want
+        assert ran[1:] == [requests > 1 or not packed] * 4
+    assert compiled._padded(1) == 1
 
 
 def test_compile_sizes_flag():
