@@ -7,8 +7,8 @@ cudagraph-unsafe and inductor partitions the graph around it, as vLLM's piecewis
 
 On CPU the sizes above 1 share one graph whose token count is symbolic (one compile rather than one per size):
 any step of 2 to the largest size runs it (float32 at its own size; bf16 padded up to a compiled size, since
-oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN runs it eagerly: faster). On CUDA each size is captured alone and a step is
-padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
+oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN runs it eagerly: faster). On CUDA each
+size is captured alone and a step is padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
 symbolic graph computes logits for the rows asked for only, a CUDA graph for all of its rows (one shape per
 size), handing back those asked for. Nothing compiles after Warmup: were a step the graphs do not cover routed to
 them (a guard fails), it runs eagerly rather than stall the server, and is counted as eager.
