@@ -34,6 +34,16 @@ class Group:
     key_start: torch.Tensor    # [B] position of the first key in the block table (0 but in the window pool)
     members: int               # the real requests: the first `members` of B (decode groups are padded, layout.py)
     dense: int | None = None   # the first row, when the group is one query each and its rows are consecutive
+    _kernel: tuple | None = None
+
+    def kernel_args(self) -> tuple:
+        """The real members' rows, block tables, key starts and lengths as paged_kernel.decode takes them (made
+        once a step, not in every layer)."""
+        if self._kernel is None:
+            n = self.members
+            self._kernel = (self.rows[:n, 0].contiguous(), self.block_tables[:n].contiguous(),
+                            self.key_start[:n].contiguous(), self.kv_len[:n].contiguous())
+        return self._kernel
 
     def mask(self, block_size: int, window: int | None) -> torch.Tensor:
         """[B, Q, K] bool: key j is visible to query i (causal, within kv_len, inside the window)."""
@@ -117,7 +127,8 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
     heads, tokens = query.shape[0], query.shape[1]
     q = query.view(hkv, heads // hkv, tokens, dim)
     flat = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)  # the layer's output layout
-    flat[_current.tokens:] = 0  # padding rows: no group writes them
+    if _current.tokens < tokens:
+        flat[_current.tokens:] = 0  # padding rows: no group writes them
     out = flat.transpose(0, 1).view(hkv, heads // hkv, tokens, dim)
     scale = scaling if scaling is not None else dim ** -0.5
     in_place = (_current.kernel and query.dtype == k_cache.dtype and query.dtype in paged_kernel.DTYPES
@@ -125,9 +136,9 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
     for i, grp in enumerate(step.groups):
         if in_place and grp.rows.shape[1] == 1:
             with scope("attention::attend"):
-                n = grp.members
-                if paged_kernel.decode(query, grp.rows[:n, 0].contiguous(), k_cache, v_cache, grp.block_tables[:n],
-                                       grp.key_start[:n], grp.kv_len[:n], window, flat.transpose(0, 1), scale):
+                rows, tables, key_start, kv_len = grp.kernel_args()
+                if paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
+                                       flat.transpose(0, 1), scale):
                     continue
         with scope("attention::gather"):
             kg, vg = step.gather(i, k_cache), step.gather(i, v_cache)
