@@ -7,13 +7,15 @@ cudagraph-unsafe and inductor partitions the graph around it, as vLLM's piecewis
 
 On CPU the sizes above 1 share one graph whose token count is symbolic (one compile rather than one per size):
 any step of 2 to the largest size runs it (float32 at its own size; bf16 padded up to a compiled size, since
-oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN runs it eagerly: faster). On CUDA each
+oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN: kept only where Warmup timed it faster
+than the eager step on this CPU, `race`). On CUDA each
 size is captured alone and a step is padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
 symbolic graph computes logits for the rows asked for only, a CUDA graph for all of its rows (one shape per
 size), handing back those asked for. Nothing compiles after Warmup: were a step the graphs do not cover routed to
 them (a guard fails), it runs eagerly rather than stall the server, and is counted as eager.
 """
 import logging
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -27,28 +29,33 @@ from shard import attention
 log = logging.getLogger("cb.shard")
 
 
-@torch.library.custom_op("cb::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """attention.attend as one op no graph looks into: it writes the layer's cache and reads the step's layout,
-    both outside the graph's inputs."""
-    return attention.attend(layer, query, key, value, scale, None)
-
-
-@paged_attention.register_fake
-def _(layer, query, key, value, scale):
-    return query.new_empty(query.shape[1], query.shape[0] * query.shape[2])
+# attention.attend as one op no graph looks into: it writes the layer's cache and reads the step's layout, both
+# outside the graph's inputs. Defined on a Library rather than with torch.library.custom_op, whose Python wrapper
+# costs tens of microseconds a call (thirty calls a step)
+_library = torch.library.Library("cb", "FRAGMENT")
+_library.define("paged_attention(int layer, Tensor query, Tensor key, Tensor value, float scale) -> Tensor",
+                tags=(torch.Tag.cudagraph_unsafe,))
+_library.impl("paged_attention", lambda layer, query, key, value, scale:
+              attention.attend(layer, query, key, value, scale, None), "CompositeExplicitAutograd")
+torch.library.register_fake("cb::paged_attention", lambda layer, query, key, value, scale:
+                            query.new_empty(query.shape[1], query.shape[0] * query.shape[2]), lib=_library)
+paged_attention = torch.ops.cb.paged_attention.default
 
 
 class CompiledForward:
     """The model's forward (ids [T], positions [T], rows to keep [K] -> logits [K, vocab]), compiled for a few
     step sizes, eager for the rest."""
 
-    def __init__(self, model: nn.Module, device: torch.device, sizes: tuple[int, ...]):
-        self.model, self.sizes = model, sizes
+    def __init__(self, model: nn.Module, device: torch.device, sizes: tuple[int, ...], race: bool = False):
+        self.model, self.sizes, self.race = model, sizes, race and 1 in sizes
+        self.timings: dict[str, float] = {}  # the race's median step seconds, compiled and eager
+        self.bypass = False  # the race's eager turns
         self.cuda = device.type == "cuda"
         config = torch._dynamo.config  # on CUDA one graph per size, which dynamo would stop compiling at 8
         config.recompile_limit = max(config.recompile_limit, len(sizes) + 1)
+        # bf16: round where eager rounds (inductor would keep fused intermediates in fp32), so a request's tokens
+        # do not depend on whether its step ran a graph; ~1% of a step here
+        torch._inductor.config.emulate_precision_casts = True
         if self.cuda:  # graphs in pieces around the attention op (newer torch does so by default)
             torch._inductor.config.graph_partition = True
         self.graphs = torch.compile(model, fullgraph=True, dynamic=False,
@@ -83,9 +90,28 @@ class CompiledForward:
         if self.ready:
             log.info("compiled step sizes %s in %.1f s", ",".join(map(str, self.sizes)), self.seconds)
 
+    def race_single(self, run_step: Callable[[int], None], rounds: int = 9) -> None:
+        """bf16 on oneDNN, a step of one request: compiled it ran 0.89x the eager step's speed on a Zen 4 and
+        1.13x on a Sapphire Rapids (in-process, 2026-12-06), so both run here, interleaved, and the faster stays."""
+        seconds: dict[bool, list[float]] = {True: [], False: []}
+        try:
+            for _ in range(rounds):
+                for eager in (False, True):
+                    self.bypass = eager
+                    start = time.perf_counter()
+                    run_step(1)
+                    seconds[eager].append(time.perf_counter() - start)
+        finally:
+            self.bypass = False
+        self.timings = {"compiled": statistics.median(seconds[False]), "eager": statistics.median(seconds[True])}
+        if self.timings["eager"] < self.timings["compiled"]:
+            self.sizes = tuple(s for s in self.sizes if s != 1)
+        log.info("a step of one request: %.2f ms compiled, %.2f ms eager: runs %s", self.timings["compiled"] * 1e3,
+                 self.timings["eager"] * 1e3, "compiled" if 1 in self.sizes else "eagerly")
+
     def covers(self, tokens: int) -> bool:
         """A graph exists for a step of exactly `tokens` rows."""
-        if not (self.ready or self.compiling):
+        if self.bypass or not (self.ready or self.compiling):
             return False
         if self.cuda or tokens == 1:
             return tokens in self.sizes
@@ -127,15 +153,17 @@ class CompiledForward:
             return self.graphs(ids, positions, rows)
 
 
-def for_model(model: nn.Module, device: torch.device, sizes: tuple[int, ...]) -> Optional[CompiledForward]:
-    """The compiled forward of a lean model, or None (no sizes, or transformers' own modules, which stay eager)."""
+def for_model(model: nn.Module, device: torch.device, sizes: tuple[int, ...],
+              world: int = 1) -> Optional[CompiledForward]:
+    """The compiled forward of a lean model, or None (no sizes, or transformers' own modules, which stay eager).
+    bf16 on oneDNN races its one-request step (`CompiledForward._race`) in a shard alone; tensor-parallel shards
+    could each decide otherwise and round their replicated norms differently, so there it stays eager."""
     from shard.lean import LeanLlama
     from shard.linears import Packed
 
-    if any(isinstance(m, Packed) for m in model.modules()):
-        # bf16 on oneDNN: a step of one request ran 0.89x the eager one's speed compiled (2 to 32 rows:
-        # 1.04-1.06x; in-process, interleaved, 2026-12-06 on the EPYC), so it stays eager
+    packed = any(isinstance(m, Packed) for m in model.modules())
+    if packed and world > 1:
         sizes = tuple(s for s in sizes if s > 1)
     if not sizes or not isinstance(model, LeanLlama):
         return None
-    return CompiledForward(model, device, sizes)
+    return CompiledForward(model, device, sizes, race=packed)

@@ -49,7 +49,7 @@ class Runner:
         self.cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
         self.kernel = paged_kernel.available(device)  # decodes read the cache in place: one group, no padding
-        self.compiled = compiled.for_model(loaded.model, device, compile_sizes)  # None: every step eager
+        self.compiled = compiled.for_model(loaded.model, device, compile_sizes, world)  # None: every step eager
         # Steps run at their own size where no kernel is built per shape: float32 on CPU is MKL's GEMMs and
         # inductor's symbolic graph. bf16 (oneDNN primitives, one per shape) and quantized kernels are padded to
         # bounded sizes (layout.bucket), as are CUDA graphs (one per compiled size).
@@ -233,6 +233,10 @@ class Runner:
         if sizes:
             self.compiled.warmup(self._one_token_requests)
         self.cache = None
+        if sizes and self.compiled.ready and self.compiled.race:
+            self.allocate(1)
+            self.compiled.race_single(self._one_token_requests)
+            self.cache = None
 
     def _one_token_requests(self, n: int) -> None:
         """A step of n requests with a one-token prompt each (n rows), in n fresh blocks."""

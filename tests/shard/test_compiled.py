@@ -81,15 +81,19 @@ def test_float32_steps_run_at_their_own_size_and_bf16_ones_padded(tiny_llama, ru
 
 def test_bf16_compiles_with_its_linears_and_gives_the_eager_tokens(tiny_llama):
     """bf16 linears on a weight oneDNN packed at load (linears.Packed, where the CPU has bf16 arithmetic) reach
-    the graph as an op inductor does not lower; there one request a step stays eager, as it is faster so."""
+    the graph as an op inductor does not lower; there Warmup times a step of one request compiled and eager and
+    keeps the faster (CompiledForward._race), and either way the tokens are the eager forward's."""
     eager, compiled = runner(tiny_llama, (), "bfloat16"), runner(tiny_llama, SIZES, "bfloat16")
     packed = linears.packs_bf16()
-    assert compiled.compiled.ready and compiled.compiled.sizes == ((2, 4) if packed else SIZES)
+    forward = compiled.compiled
+    assert forward.ready and bool(forward.timings) == packed
+    one_compiled = not packed or forward.timings["compiled"] <= forward.timings["eager"]
+    assert forward.sizes == (SIZES if one_compiled else (2, 4))
     for requests, prompt in ((1, 3), (3, 1), (2, 9)):
         _, want, _ = serve(eager, requests, prompt, 4, False)
         _, tokens, ran = serve(compiled, requests, prompt, 4, False)
         assert tokens == want
-        assert ran[1:] == [requests > 1 or not packed] * 4
+        assert ran[1:] == [requests > 1 or one_compiled] * 4
     assert compiled._padded(1) == 1
 
 
