@@ -77,8 +77,8 @@ class Settings:
     compile_sizes: str = setting("auto", "step sizes, in tokens, compiled at start-up with torch.compile (on a GPU "
                                  "also captured as CUDA graphs, TGI's --cuda-graphs): a comma-separated list, auto "
                                  "(CPU 1,2,4,8,16,24,32; GPU 1,2,4,8,16,32) or 0 for none. A step up to the largest "
-                                 "is padded to the next size; longer ones run eagerly (and in bf16 on oneDNN, steps of 1 "
-                                 "token, faster so). Llama-family models only")
+                                 "is padded to the next size; longer ones run eagerly (in bf16 on oneDNN, steps of 1 token "
+                                 "too where Warmup times them faster so). Llama-family models only")
     uds_dir: Optional[str] = setting(None, "folder for the shards' sockets and the file their torch.distributed "
                                      "ranks meet through (default: a fresh temporary folder)")
     shard_timeout: float = setting(60.0, "most seconds any shard call may take (the deadline in force is 10x the "
