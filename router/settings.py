@@ -48,7 +48,7 @@ class Settings:
                                           "TGI's 0.3 batches prompts at the cost of their TTFT", min=0.0)
     max_waiting_tokens: int = setting(20, "steps after which waiting requests are admitted whatever the ratio",
                                       min=0)
-    prefill_step_ratio: float = setting(3.0, "while requests decode, a step that also computes prompt tokens may "
+    prefill_step_ratio: float = setting(1.7, "while requests decode, a step that also computes prompt tokens may "
                                         "take at most this many times their step alone (a cost model fitted to the "
                                         "steps run sizes its prompt chunk, at least 16 tokens); 0 turns it off, "
                                         "else above 1", min=0.0)
