@@ -29,7 +29,11 @@ def main(
     compile_sizes: str = typer.Option(..., help="step sizes compiled at warmup (compile_sizes.py)"),
 ):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))  # kept across reboots, unlike /tmp
+    # kept across reboots, unlike /tmp; one folder per largest size: a graph cached for steps of 2..32 tokens, found
+    # again while compiling 2..64, brings its guard (at most 32) along, and that compile fails
+    largest = max((int(s) for s in compile_sizes.split(",") if s.strip().isdigit()), default=0)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor") / (f"up-to-{largest}" if largest
+                                                                                 else compile_sizes)))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     import torch
 
