@@ -85,7 +85,7 @@ class Tuned(nn.Module):
             return nn.functional.linear(x, self.weight, self.bias)
         y = _product(way, rows, self.weight, self.packed)
         y = y if self.bias is None else y + self.bias
-        return y.view(*x.shape[:-1], -1)
+        return y.view(*x.shape[:-1], y.shape[-1])  # not -1: a step may keep no rows
 
 
 TILE = 64  # rows an MKL-packed weight is laid out for: its packed GEMM takes exactly that many

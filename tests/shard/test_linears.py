@@ -49,7 +49,7 @@ def test_tuned_fp32_ways_equal_f_linear_and_the_timings_are_kept(tmp_path, monke
     tuned.packed = linears._pack(plain.weight.detach())
     for way in ("linear", "transposed", "tile"):
         tuned.plan = linears.Plan({n: way for n in linears.PROBES})
-        for rows in (1, 5, 16, 33, 64):
+        for rows in (0, 1, 5, 16, 33, 64):  # 0: a prompt chunk whose rows' logits are all dropped
             x = torch.randn(rows, 128)
             torch.testing.assert_close(tuned(x), plain(x), rtol=1e-5, atol=1e-5)
     plan = linears.Plan({n: "tile" if n == 64 else "transposed" for n in linears.PROBES})
