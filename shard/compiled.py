@@ -8,7 +8,7 @@ cudagraph-unsafe and inductor partitions the graph around it, as vLLM's piecewis
 On CPU the sizes above 1 share one graph whose token count is symbolic (one compile rather than one per size):
 any step of 2 to the largest size runs it (float32 at its own size; bf16 padded up to a compiled size, since
 oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN: kept only where Warmup timed it faster
-than the eager step on this CPU, `race`). On CUDA each
+than the eager step on this CPU, `race_single`). On CUDA each
 size is captured alone and a step is padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
 symbolic graph computes logits for the rows asked for only, a CUDA graph for all of its rows (one shape per
 size), handing back those asked for. Nothing compiles after Warmup: were a step the graphs do not cover routed to
@@ -92,7 +92,7 @@ class CompiledForward:
 
     def race_single(self, run_step: Callable[[int], None], rounds: int = 9) -> None:
         """bf16 on oneDNN, a step of one request: compiled it ran 0.89x the eager step's speed on a Zen 4 and
-        1.13x on a Sapphire Rapids (in-process, 2026-12-06), so both run here, interleaved, and the faster stays."""
+        1.13-1.17x on a Sapphire Rapids (in-process, 2026-12-06), so both run here, interleaved, and the faster stays."""
         seconds: dict[bool, list[float]] = {True: [], False: []}
         try:
             for _ in range(rounds):
@@ -156,7 +156,7 @@ class CompiledForward:
 def for_model(model: nn.Module, device: torch.device, sizes: tuple[int, ...],
               world: int = 1) -> Optional[CompiledForward]:
     """The compiled forward of a lean model, or None (no sizes, or transformers' own modules, which stay eager).
-    bf16 on oneDNN races its one-request step (`CompiledForward._race`) in a shard alone; tensor-parallel shards
+    bf16 on oneDNN races its one-request step (`CompiledForward.race_single`) in a shard alone; tensor-parallel shards
     could each decide otherwise and round their replicated norms differently, so there it stays eager."""
     from shard.lean import LeanLlama
     from shard.linears import Packed
