@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from shard import compile_sizes as sizes
 from shard.cpu import cache_dir
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None)
@@ -31,14 +32,13 @@ def main(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # kept across reboots, unlike /tmp; one folder per largest size: a graph cached for steps of 2..32 tokens, found
     # again while compiling 2..64, brings its guard (at most 32) along, and that compile fails
-    largest = max((int(s) for s in compile_sizes.split(",") if s.strip().isdigit()), default=0)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor") / (f"up-to-{largest}" if largest
-                                                                                 else compile_sizes)))
+    # (set before torch._inductor is imported, which fills in its own default; `auto` is up to 32 on any device)
+    largest = max(sizes.parse(compile_sizes, "cuda" if device == "cuda" else "cpu"), default=0)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor") / f"up-to-{largest}"))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     import torch
 
     from shard import model as model_lib
-    from shard import compile_sizes as sizes
     from shard.main_thread import MainThread
     from shard.runner import Runner
     from shard.server import ShardService, pick_device, serve

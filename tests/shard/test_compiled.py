@@ -82,7 +82,7 @@ def test_float32_steps_run_at_their_own_size_and_bf16_ones_padded(tiny_llama, ru
 def test_bf16_compiles_with_its_linears_and_gives_the_eager_tokens(tiny_llama):
     """bf16 linears on a weight oneDNN packed at load (linears.Packed, where the CPU has bf16 arithmetic) reach
     the graph as an op inductor does not lower; there Warmup times a step of one request compiled and eager and
-    keeps the faster (CompiledForward._race), and either way the tokens are the eager forward's."""
+    keeps the faster (CompiledForward.race_single), and either way the tokens are the eager forward's."""
     eager, compiled = runner(tiny_llama, (), "bfloat16"), runner(tiny_llama, SIZES, "bfloat16")
     packed = linears.packs_bf16()
     forward = compiled.compiled
