@@ -24,8 +24,11 @@ proto/generate_pb2.py: proto/generate.proto $(VENV)/.installed
 run: install
 	$(BIN)/cb-launcher $(ARGS)
 
+# Every test, then the shard tests again on the torch paths with the C kernels off (as on a machine without a C
+# compiler, where they would otherwise go untested).
 test: install
 	$(BIN)/pytest -q $(ARGS)
+	CB_PAGED_KERNEL=0 $(BIN)/pytest -q tests/shard
 
 # The pure tests (scheduler, KV manager, simulator, workloads, settings): seconds, no model, no server.
 test-unit: install

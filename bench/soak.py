@@ -5,7 +5,7 @@ keeps growing.
 It launches its own server, then sends rounds of requests at a fixed concurrency: short and long prompts (some
 sharing a prefix), TGI's and OpenAI's routes, streamed and not, greedy and sampled, ~10% hung up mid-stream by
 closing the connection. After each round it waits for the server to be idle and reads the RSS of every process
-of the server's tree (/proc/<pid>/status VmRSS). It reports errors and lost requests (both must be 0), the RSS
+of the server's tree (VmRSS, through psutil). It reports errors and lost requests (both must be 0), the RSS
 table, and whether the KV cache is idle at the end (every block free, nothing running, waiting or offloaded);
 it exits 1 when any of these fails.
 """
@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import psutil
 import typer
 
 from bench.client import TGI, OpenAI
 from bench.server import free_port, launch_server, stop_server
-from router.settings import DEFAULTS
+from router.settings import Settings
 
 TEXT = (Path(__file__).resolve().parent / "data" / "quality.txt").read_text().split()
 SHARED_PREFIX = " ".join(TEXT[:120])  # prompts that start with it exercise the prefix cache
@@ -128,25 +129,19 @@ async def run_round(url: str, shots: list[Shot], concurrency: int) -> tuple[Coun
 
 def server_tree(root: int) -> dict[str, int]:
     """The launcher and its descendants by role (launcher, router, shard N): {name: pid}."""
-    parents, cmdlines = {}, {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmdlines[int(proc.name)] = (proc / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, frontier = {"launcher": root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid in [p for p, pp in parents.items() if pp == parent]:
-            tree[role(cmdlines[pid], pid)] = pid
-            frontier.append(pid)
+    tree = {"launcher": root}
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            args = proc.cmdline()
+        except psutil.ZombieProcess:
+            args = []  # exited, not yet reaped: no command line
+        except psutil.Error:
+            continue
+        tree[role(args, proc.pid)] = proc.pid
     return tree
 
 
-def role(cmdline: list[bytes], pid: int) -> str:
-    args = [a.decode(errors="replace") for a in cmdline]
+def role(args: list[str], pid: int) -> str:
     if "router" in args:
         return "router"
     if "shard" in args and "--rank" in args:
@@ -155,10 +150,7 @@ def role(cmdline: list[bytes], pid: int) -> str:
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -210,7 +202,7 @@ def main(requests: int = typer.Option(1000, help="requests in all, spread over t
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(seed)
-    proc = launch_server(port, DEFAULTS.dtype, launcher_args.split(), url, server_log)
+    proc = launch_server(port, Settings().dtype, launcher_args.split(), url, server_log)
     try:
         result = soak(url, proc.pid, rng, requests, rounds, concurrency)
     finally:

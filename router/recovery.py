@@ -4,10 +4,9 @@ exit, starts a new set (up to --max-restarts); the router waits for every rank t
 warms the set up to the very pools it had, and the engine resumes each request from its history."""
 import asyncio
 import logging
-import os
-import signal
 import time
-from pathlib import Path
+
+import psutil
 
 from proto import generate_pb2 as pb
 from router.shards import ShardError, Shards
@@ -25,10 +24,11 @@ def end_processes(pids: list[int], sockets: list[str]) -> None:
     pid is never hit."""
     for pid in pids:
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if any(s.encode() in cmdline for s in sockets):
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+            proc = psutil.Process(pid)
+            cmdline = "\0".join(proc.cmdline())
+            if any(s in cmdline for s in sockets):
+                proc.kill()  # SIGKILL, and only while pid is still the process read above
+        except psutil.Error:
             pass  # already gone
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 @lru_cache(maxsize=None)
 def flags() -> frozenset[str]:
+    # Not psutil (no flags) nor torch's few capability queries: the full set keys the kernels built for this CPU.
     try:
         with open("/proc/cpuinfo") as f:
             return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])

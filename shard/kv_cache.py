@@ -6,8 +6,11 @@ belongs to the same request, so one block table addresses them all. `window` hol
 of hybrid models (None otherwise): they only ever need the last window of tokens, so they get their own,
 much smaller pool and block table, from which the router drops blocks that slid out of the window.
 """
+import math
+import mmap
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 
@@ -24,9 +27,20 @@ def free_memory(device: torch.device, local_world_size: int) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024 // local_world_size
+    return psutil.virtual_memory().available // local_world_size  # Linux: /proc/meminfo's MemAvailable
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. On CPU an anonymous mapping, which the kernel hands out zeroed page by page as the
+    pool is first written: torch.zeros wrote all of it at start-up (3.3 s for the default 2.9 GB pool on a 2-core
+    EPYC) and made every page resident before any request needed it."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping alive
 
 
 class KVCache:
@@ -34,7 +48,7 @@ class KVCache:
                  kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         """sliding[i]: layer i attends within the sliding window (and so lives in the window pool)."""
         def pool(layers: int, blocks: int) -> torch.Tensor:  # one more block: the padding's scratch (layout.py)
-            return torch.zeros((layers, 2, kv_heads, blocks + 1, block_size, head_dim), dtype=dtype, device=device)
+            return zeros((layers, 2, kv_heads, blocks + 1, block_size, head_dim), dtype, device)
 
         self.full = pool(sliding.count(False), num_blocks)
         self.window: torch.Tensor | None = pool(sliding.count(True), num_window_blocks) if any(sliding) else None

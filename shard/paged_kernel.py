@@ -4,8 +4,13 @@ pointers to the step's tensors.
 
 Decode attention reads each request's keys and values in place through its block table, once, where the torch
 path gathers every decode group's blocks into a padded copy in every layer and reads that twice. Plain C and no
-torch headers, so it compiles in about a second; ctypes releases the GIL during the call. Without a compiler (or
-on a GPU) the shard keeps the torch paths, and says so once.
+torch headers, so it compiles in about a second; ctypes releases the GIL during the call.
+
+They are only ever a speed-up, so no step of building or loading them may stop a shard: without a compiler, when
+the compiler fails or runs past COMPILE_TIMEOUT, when the library will not load or lacks a function, the shard
+keeps the torch paths and one warning says why (on a GPU, or with CB_PAGED_KERNEL=0, it keeps them unasked). A
+cache folder that cannot be written or read costs only the cache: the library is built for this process in a
+temporary folder.
 """
 import ctypes
 import hashlib
@@ -13,6 +18,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,37 +30,86 @@ from shard import cpu
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / "paged_decode.c", KERNELS / "greedy.c"]
 HEADERS = [KERNELS / "exp.h"]
+SYMBOLS = ("paged_decode", "greedy_rows")  # each returns int: 0 done, else declined
 DTYPES = (torch.float32, torch.bfloat16)  # the caches it reads
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+COMPILE_TIMEOUT = 60.0  # s; a build takes ~1 s, though every rank of a set builds at once, maybe on a busy machine
 log = logging.getLogger("cb.shard")
 
 _lib = None
 _tried = False
 
 
-def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: decode attention gathers the cache and sampling stays in torch (slower)")
-        return None
-    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu.flags())]).encode())
-    target = cpu.cache_dir("kernels") / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+class Unavailable(Exception):
+    """Why the kernels cannot be used here (the shard then keeps the torch paths)."""
+
+
+def _compiler() -> str:
+    """$CC, else cc or gcc, as a path."""
+    name = os.environ.get("CC")
+    found = shutil.which(name) if name else shutil.which("cc") or shutil.which("gcc")
+    if found is None:
+        raise Unavailable(f"no C compiler: {f'$CC ({name}) not found' if name else 'neither cc nor gcc found'}")
+    return found
+
+
+def _compile(compiler: str, out: Path) -> Path:
+    """Builds the library at `out`. The compiler runs in a session of its own so that a timeout ends all of it
+    (gcc's cc1 and as too, which would otherwise hold its pipe open)."""
+    command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"]
+    try:
+        with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              errors="replace", start_new_session=True) as proc:
+            try:
+                _, err = proc.communicate(timeout=COMPILE_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise Unavailable(f"{compiler} ran past {COMPILE_TIMEOUT:g} s") from None
+    except OSError as error:
+        raise Unavailable(f"running {compiler} failed: {error}") from None
+    if proc.returncode != 0:
+        raise Unavailable(f"{compiler} exited {proc.returncode}:\n{err[-2000:].strip()}")
+    return out
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name in SYMBOLS:
+            getattr(lib, name).restype = ctypes.c_int
+    except (OSError, AttributeError) as error:
+        raise Unavailable(f"loading {path} failed: {error}") from None
+    return lib
+
+
+def _cached(compiler: str, name: str) -> Path:
+    """The library in the cache folder, built there first when no process has yet."""
+    target = cpu.cache_dir("kernels") / name
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # shards build at once: rename is atomic
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                log.warning("building the CPU kernels failed, decode attention gathers the cache instead:\n%s",
-                            done.stderr[-2000:])
-                return None
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
-    lib.paged_decode.restype = ctypes.c_int
-    lib.greedy_rows.restype = ctypes.c_int
-    return lib
+            os.replace(_compile(compiler, Path(tmp) / name), target)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    compiler = _compiler()
+    try:
+        source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    except OSError as error:
+        raise Unavailable(f"the kernels' sources cannot be read: {error}") from None
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu.flags())]).encode())
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    try:
+        path = _cached(compiler, name)
+    except OSError as error:  # the cache folder: built for this process alone
+        with tempfile.TemporaryDirectory(prefix="cb-kernels-") as tmp:
+            lib = _open(_compile(compiler, Path(tmp) / name))  # once loaded, the file may go
+        log.warning("the CPU kernels' cache folder %s cannot be used (%s): built in a temporary folder, as they "
+                    "will be at every start", cpu.cache_dir("kernels"), error)
+        return lib
+    return _open(path)
 
 
 def available(device: torch.device) -> bool:
@@ -63,7 +118,12 @@ def available(device: torch.device) -> bool:
         return False
     if not _tried:
         _tried = True
-        _lib = _build()
+        try:
+            _lib = _load()
+        except Exception as error:  # anything at all: the kernels only ever speed up what torch does anyway
+            reason = str(error) if isinstance(error, Unavailable) else f"{type(error).__name__}: {error}"
+            log.warning("CPU kernels off (decode attention gathers the cache, sampling stays in torch: slower): %s",
+                        reason)
     return _lib is not None
 
 
