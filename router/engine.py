@@ -98,6 +98,7 @@ class Engine:
                 continue
             began = time.perf_counter()
             step = self.scheduler.schedule()
+            metrics.observe_planned(step, self.jobs)  # first steps end queue times (before the step runs)
             self.trace.step(step)
             planning = time.perf_counter() - began
             try:
@@ -291,7 +292,7 @@ class Engine:
             job.fail(message)
             self.scheduler.finish(job.request, "error")
             del self.jobs[job.id]
-            metrics.outcomes.labels("error").inc()
+            metrics.outcome("error")
 
     async def _fail_all(self, message: str) -> None:
         """A bug in the loop: every job in flight fails (one that had already finished keeps its result)."""

@@ -8,6 +8,8 @@ from proto import generate_pb2 as pb
 from router.core.request import Request
 from router.detokenizer import Detokenizer
 
+clock = time.monotonic  # every request timing reads it; tests replace it to drive a known timeline
+
 
 @dataclass
 class Token:
@@ -31,14 +33,20 @@ class Job:
     finish_reason: Optional[str] = None
     cancelled: bool = False
     prefill_logprobs: list[float] = field(default_factory=list)
-    arrived_at: float = field(default_factory=time.monotonic)
-    queued_at: float = field(default_factory=time.monotonic)
+    arrived_at: float = field(default_factory=lambda: clock())  # the HTTP request came in (before validation)
+    queued_at: float = field(default_factory=lambda: clock())  # validated: it joins the queue
+    scheduled_at: Optional[float] = None  # its first step was planned (TGI's batch_time; kept through resets)
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
 
     @property
     def id(self) -> int:
         return self.request.id
+
+    def on_scheduled(self) -> None:
+        """Its queue time ends at its first step; a soft reset or a shard restart does not start it again."""
+        if self.scheduled_at is None:
+            self.scheduled_at = clock()
 
     def on_prefill(self, logprobs) -> None:
         """Prompt-token logprobs arrive chunk by chunk; a recomputation after a soft reset adds nothing."""
@@ -49,7 +57,7 @@ class Job:
         """Streams a token the scheduler has already applied (`piece`: the text it completed); the request's
         finish reason, if the token ended it, was decided there."""
         if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+            self.first_token_at = clock()
         decode = self.detokenizer.tokenizer.decode
         top = [Token(t.token_id, decode([t.token_id]), t.logprob, t.token_id in self.special_ids)
                for t in g.top_tokens]
@@ -59,10 +67,10 @@ class Job:
         token.final = self.finish_reason is not None
         self.events.put_nowait(("token", token))
         if self.finish_reason:
-            self.finished_at = time.monotonic()
+            self.finished_at = clock()
             self.events.put_nowait(("end", self))
 
     def fail(self, message: str) -> None:
         self.finish_reason = "error"
-        self.finished_at = time.monotonic()
+        self.finished_at = clock()
         self.events.put_nowait(("error", message))

@@ -54,7 +54,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_invalid(request, exc: RequestValidationError):
         """The most telling error: a value refused for what it is (NaN, a lone surrogate) before a union's type
         mismatches."""
-        metrics.outcomes.labels("validation").inc()
+        metrics.outcome("validation")
         first = min(exc.errors(), key=lambda e: str(e.get("type", "")).endswith("_type"), default={})
         where = field_path(first.get("loc", ()))
         message = f"{where}: {first.get('msg', 'invalid request')}".lstrip(": ")

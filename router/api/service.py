@@ -33,16 +33,16 @@ class Service:
         arrived = time.monotonic()
         metrics.requests.inc()
         if self.draining:
-            metrics.outcomes.labels("unhealthy").inc()
+            metrics.outcome("unhealthy")
             raise APIError(503, "the server is shutting down", "unhealthy")
         if self.validating + len(self.engine.jobs) >= self.max_concurrent_requests:
-            metrics.outcomes.labels("overloaded").inc()
+            metrics.outcome("overloaded")
             raise APIError(429, "Model is overloaded", "overloaded")
         self.validating += 1
         try:
             v = await asyncio.to_thread(validate, body, self.tokenizer, self.limits)
         except ValidationError as e:
-            metrics.outcomes.labels("validation").inc()
+            metrics.outcome("validation")
             raise APIError(422, str(e), "validation") from e
         finally:
             self.validating -= 1
@@ -57,6 +57,7 @@ class Service:
         )
         metrics.validation_duration.observe(job.queued_at - arrived)
         metrics.input_length.observe(len(v.input_ids))
+        metrics.max_new_tokens.observe(v.max_new_tokens)
         self.engine.submit(job)
         return job
 

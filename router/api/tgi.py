@@ -48,9 +48,10 @@ def sse(obj: dict) -> str:
 
 
 def timing_headers(job: Job, svc: Service, body: GenerateRequest) -> dict:
-    """TGI's x-* headers (durations in milliseconds)."""
+    """TGI's x-* headers (durations in milliseconds), split as its metrics are (router/metrics.py): validation, queue
+    (to the first scheduled step), inference (from it)."""
     end = job.finished_at or job.queued_at
-    first = job.first_token_at or end
+    first = job.scheduled_at or end
     ms = lambda s: str(int(s * 1000))  # noqa: E731
     return {
         "x-compute-type": svc.info.model_device_type if svc.info else "cpu",
@@ -58,7 +59,7 @@ def timing_headers(job: Job, svc: Service, body: GenerateRequest) -> dict:
         "x-compute-characters": str(len(body.inputs) if isinstance(body.inputs, str) else 0),
         "x-total-time": ms(end - job.arrived_at), "x-validation-time": ms(job.queued_at - job.arrived_at),
         "x-queue-time": ms(first - job.queued_at), "x-inference-time": ms(end - first),
-        "x-time-per-token": ms((end - job.queued_at) / max(1, len(job.tokens))),
+        "x-time-per-token": ms((end - first) / max(1, len(job.tokens))),
         "x-prompt-tokens": str(len(job.request.prompt_ids)), "x-generated-tokens": str(len(job.tokens)),
     }
 
