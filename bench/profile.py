@@ -81,8 +81,8 @@ class Bench:
         self.device = torch.device("cpu")
         self.loaded = load(model_dir, dtype, self.device, 0, 1, quantize)
         self.runner = Runner(self.loaded, self.device, block_size, 0, 1, sizes.parse(compile_sizes, "cpu"))
-        if self.runner.compiled:
-            self.runner.warmup(1)
+        if self.runner.compiled and self.runner.compile():
+            self.runner.go_live()
         self.block_size = block_size
 
     def prime(self, batch: int, context: int) -> list:

@@ -6,6 +6,7 @@ settled values as JSON in its environment, the shards the few they need as argum
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import typer
@@ -18,6 +19,7 @@ from launcher.supervisor import Supervisor
 from router.settings import ENV, Settings, settings_command
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None)
+STARTED = time.monotonic()  # start-up's phases are logged counting from here
 
 
 def as_flags(**flags) -> list[str]:
@@ -56,7 +58,7 @@ def main(settings: Settings):
     log("launcher", f"starting {settings.num_shard} shard(s) from {model_dir} ({settings.dtype}, "
                     f"device {settings.device})")
     try:
-        code = Supervisor({ENV: settings.to_json()}).run(
+        code = Supervisor({ENV: settings.to_json()}, STARTED).run(
             shard_argvs, sockets, router_argv, router_url(settings.hostname, settings.port),
             settings.graceful_timeout, settings.max_restarts,
             before_shards=lambda: rendezvous.unlink(missing_ok=True))  # an old set's store would mislead a new one

@@ -37,8 +37,10 @@ class Supervisor:
     """Owns the children. Every wait of the launcher goes through wait_until, so a child dying or a
     stop signal is noticed whatever the launcher is waiting for (a shard loading, or nothing)."""
 
-    def __init__(self, router_env: dict[str, str]):
+    def __init__(self, router_env: dict[str, str], started: Optional[float] = None):
+        """`started`: when the launcher started (time.monotonic()), which the phases it logs count from."""
         self.children: list[Child] = []
+        self.started = time.monotonic() if started is None else started
         self.stop_signal: Optional[str] = None
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.router_env = {**self.env, **router_env}
@@ -72,17 +74,22 @@ class Supervisor:
                 next_report += report_every
             time.sleep(interval)
 
-    def wait_for_shards(self, sockets: list[str]) -> None:
+    def shards_up(self, sockets: list[str]) -> Callable[[], bool]:
+        """A probe that says each shard is up once (with the time since the launcher started), and whether all
+        are."""
         pending = dict(enumerate(sockets))
 
         def all_healthy() -> bool:
             for rank, path in list(pending.items()):
                 if shard_healthy(path):
                     del pending[rank]
-                    log("launcher", f"shard {rank} is up")
+                    log("launcher", f"shard {rank} is up ({self.elapsed()})")
             return not pending
+        all_healthy.pending = pending
+        return all_healthy
 
-        self.wait_until(all_healthy, lambda: ", ".join(f"shard {rank}" for rank in pending) + " to load")
+    def elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:.1f} s since the launcher started"
 
     def run(self, shard_argvs: list[list[str]], sockets: list[str], router_argv: list[str], url: str,
             graceful_timeout: float, max_restarts: int, before_shards: Callable[[], None] = lambda: None) -> int:
@@ -91,10 +98,14 @@ class Supervisor:
         self.before_shards = before_shards
         shards, router = [], None
         try:
-            shards = self.start_shards(shard_argvs, sockets)
+            # the router starts beside the shards (its imports and tokenizer take seconds too) and waits for them
+            shards = self.spawn_shards(shard_argvs)
             router = self.spawn("router", router_argv, self.router_env)
-            self.wait_until(lambda: router_healthy(url), lambda: "the router to warm up the shards")
-            log("launcher", f"ready: {url}")
+            up = self.shards_up(sockets)
+            self.wait_until(lambda: up() and router_healthy(url),
+                            lambda: (", ".join(f"shard {rank}" for rank in up.pending) + " to load") if up.pending
+                            else "the router to warm up the shards")
+            log("launcher", f"ready: {url} ({self.elapsed()})")
             self.serve(shards, shard_argvs, sockets, max_restarts)
         except ChildExited as error:
             log("launcher", f"{error}: stopping everything")
@@ -109,10 +120,15 @@ class Supervisor:
         finally:  # also reached on a bug in the launcher itself: no child may outlive it
             stop_all(self.children, FAILURE_STOP_TIMEOUT)
 
-    def start_shards(self, shard_argvs: list[list[str]], sockets: list[str]) -> list[Child]:
+    def spawn_shards(self, shard_argvs: list[list[str]]) -> list[Child]:
         self.before_shards()
-        shards = [self.spawn(f"shard {rank}", argv) for rank, argv in enumerate(shard_argvs)]
-        self.wait_for_shards(sockets)
+        return [self.spawn(f"shard {rank}", argv) for rank, argv in enumerate(shard_argvs)]
+
+    def start_shards(self, shard_argvs: list[list[str]], sockets: list[str]) -> list[Child]:
+        """A new set, once every shard of it is up."""
+        shards = self.spawn_shards(shard_argvs)
+        up = self.shards_up(sockets)
+        self.wait_until(up, lambda: ", ".join(f"shard {rank}" for rank in up.pending) + " to load")
         return shards
 
     def serve(self, shards: list[Child], shard_argvs: list[list[str]], sockets: list[str], max_restarts: int):

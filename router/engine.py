@@ -149,7 +149,8 @@ class Engine:
                 await self.shards.health()
                 self.failed = False
             except ShardError as e:
-                await self._shard_failed(e)
+                if not await self.shards.alive():  # a second miss in a row: hung or gone
+                    await self._shard_failed(e)
 
     def _apply(self, step: Step, resp, outcome: Outcome) -> None:
         """The step's outcome (its time already in `outcome`): prompt logprobs, then the tokens, through the

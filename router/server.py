@@ -102,7 +102,10 @@ async def start_engine(s: Settings, shards):
     from router.recovery import Recovery
     from router.trace import Trace
 
-    await shards.health()
+    began = time.monotonic()
+    await shards.wait_until_up()
+    loaded = time.monotonic()
+    log.info("the shards answer (%.1f s after the router started waiting for them)", loaded - began)
     info = await shards.info()
     window = info.sliding_window if info.num_window_layers else 0
     swap_bytes = int(s.cpu_offload_space * 2**30) if KVManager.can_offload_model(window) else 0
@@ -111,6 +114,8 @@ async def start_engine(s: Settings, shards):
                   num_blocks=wanted, max_memory_fraction=s.max_memory_percent, max_total_tokens=s.max_total_tokens,
                   cpu_swap_bytes=swap_bytes)
     pools = await shards.warmup(**sizing)
+    log.info("warmed up in %.1f s: pools sized%s", time.monotonic() - loaded,
+             f", step sizes compiled in {pools.compile_seconds:.1f} s" if pools.compiled_sizes else "")
     total = check_capacity(s, pools.num_blocks)
     kv = KVManager(pools.num_blocks, s.block_size, s.prefix_caching, pools.num_swap_blocks, window,
                    pools.num_window_blocks)
@@ -131,6 +136,7 @@ async def start_engine(s: Settings, shards):
         num_window_blocks=kv.window.blocks.num_blocks if kv.window else 0, scheduler=s.scheduler,
         safety_margin=s.margin, prefill_step_ratio=s.prefill_step_ratio, prefix_caching=kv.prefix_caching,
         compiled_step_sizes=list(pools.compiled_sizes), compile_seconds=round(pools.compile_seconds, 1),
+        compile_state="ready" if pools.compiled_sizes else "off" if s.compile_sizes.strip() == "0" else "pending",
         max_stop_sequences=s.max_stop_sequences, max_top_n_tokens=s.max_top_n_tokens)
 
 

@@ -2,7 +2,9 @@
 
 This is where the scheduler's plans become the contract's messages (proto/generate.proto): a Step's entries,
 its block moves and the tables the shards rebind. Every call has a deadline (router/deadline.py); one missed
-counts as a shard failure.
+counts as a shard failure. A call still running after HANG_PROBE_AFTER seconds is watched: every rank must keep
+answering Health (a gRPC thread answers it while the main thread computes), and a rank that misses HANG_STRIKES
+probes in a row is hung (stopped, or wedged), which fails the call in seconds, whatever the deadline.
 """
 import asyncio
 import time
@@ -14,8 +16,11 @@ from proto import generate_pb2_grpc as pb_grpc
 from router.core.step import Entry, Step
 from router.deadline import Deadline
 
-WARMUP_TIMEOUT = 600.0  # s: sizing the pools and a first prefill, on a cold machine
+WARMUP_TIMEOUT = 600.0  # s: sizing the pools and a first prefill (and on a GPU compiling), on a cold machine
 PROBE_TIMEOUT = 2.0     # s a live shard takes at most to answer Health (its gRPC threads answer it mid-step)
+HANG_PROBE_AFTER = 2.0  # s a call runs before its ranks are probed, and between probes they answer
+HANG_STRIKES = 2        # probes missed in a row that make a rank hung (one may be a loaded machine's hiccup)
+STEP_CALLS = frozenset({"Prefill", "Decode", "FilterBatch", "Offload", "ClearCache"})  # their time sets the deadline
 
 
 class ShardError(Exception):
@@ -44,15 +49,32 @@ class Shards:
     async def _every(self, method: str, request, timeout: float) -> list:
         calls = [getattr(stub, method)(request, timeout=timeout) for stub in self.stubs]
         started = time.monotonic()
+        answers = asyncio.gather(*calls)
+        answers.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, even when given up on
         try:
-            answers = await asyncio.gather(*calls)
+            await self._watch(answers, method)
+            answers = answers.result()
         except grpc.aio.AioRpcError as e:
-            for c in calls:
-                c.cancel()
             missed = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             raise ShardError(f"{method}: {e.code().name}: {e.details()}", missed) from e
-        self.deadline.answered(time.monotonic() - started)
+        finally:
+            for c in calls:
+                c.cancel()
+        self.deadline.answered(time.monotonic() - started, step=method in STEP_CALLS)
         return answers
+
+    async def _watch(self, answers: asyncio.Future, method: str) -> None:
+        """Waits for `answers`; from HANG_PROBE_AFTER s on, probes every rank's Health in between."""
+        if method == "Health":
+            await asyncio.wait({answers})
+            return
+        strikes = 0
+        while not (await asyncio.wait({answers}, timeout=0 if strikes else HANG_PROBE_AFTER))[0]:
+            strikes = 0 if await self.alive() else strikes + 1  # a missed probe is retried at once
+            if strikes >= HANG_STRIKES:
+                answers.cancel()
+                raise ShardError(f"{method}: a shard missed {strikes} Health probes in a row while the call ran: "
+                                 "it is hung", missed_deadline=True)
 
     async def _all(self, method: str, request):
         return (await self._every(method, request, self.deadline.seconds))[0]
@@ -62,8 +84,9 @@ class Shards:
         self.pids = [a.pid for a in answers]
         return answers[0]
 
-    async def health(self) -> None:
-        await self._all("Health", pb.HealthRequest())
+    async def health(self) -> pb.HealthResponse:
+        """Rank 0's Health (the compile's state): a probe, so a stopped shard fails it in PROBE_TIMEOUT s."""
+        return (await self._every("Health", pb.HealthRequest(), PROBE_TIMEOUT))[0]
 
     async def alive(self) -> bool:
         """Whether every rank answers Health now (a failed call may have come from a live rank)."""
@@ -73,7 +96,15 @@ class Shards:
                 return True
             except grpc.aio.AioRpcError:
                 return False
-        return all(await asyncio.gather(*[one(stub) for stub in self.stubs]))
+        if all(await asyncio.gather(*[one(stub) for stub in self.stubs])):
+            self.deadline.answered(0.0, step=False)
+            return True
+        return False
+
+    async def wait_until_up(self, interval: float = 0.2) -> None:
+        """Until every rank answers: the router starts beside the shards, which take seconds to load."""
+        while not await self.alive():
+            await asyncio.sleep(interval)
 
     async def warmup(self, **sizing) -> pb.WarmupResponse:
         """Each shard sizes its own pools (WarmupRequest's fields); the usable pools are the smallest. Its time

@@ -11,6 +11,7 @@ Hybrid models keep their sliding-window layers in a second pool (see kv_cache.py
 table that starts at some block of the sequence rather than its first: each pool has its own `PoolStep` (slots
 and block tables), and a group's keys start at `key_start` instead of position 0.
 """
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -98,13 +99,12 @@ class StepLayout:
     kernel: bool = False  # decodes attend through paged_kernel (in place) rather than a gather
 
 
-_current: StepLayout | None = None
+_steps = threading.local()  # per thread: a shard compiles its step sizes on a scratch pool while it serves
 
 
 def set_step(layout: StepLayout | None) -> None:
     """The runner sets the step's layout before the forward pass; every layer reads it."""
-    global _current
-    _current = layout
+    _steps.layout = layout
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -118,8 +118,9 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
     """Writes one layer's new keys and values to the cache, then attends through each request's block table.
     query [H, T, D], key/value [Hkv, T, D] -> [T, H * D]. The cache is head-major ([Hkv, blocks, block_size, D]),
     so gathering a request's blocks yields contiguous [L, D] matrices per head."""
-    in_window, k_cache, v_cache = _current.cache[layer]
-    step = _current.window if in_window else _current.full
+    current = _steps.layout
+    in_window, k_cache, v_cache = current.cache[layer]
+    step = current.window if in_window else current.full
     hkv, nb, bs, dim = k_cache.shape
     with scope("attention::cache_write"):
         k_cache.view(hkv, nb * bs, dim).index_copy_(1, step.slots, key.to(k_cache.dtype))
@@ -127,11 +128,11 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
     heads, tokens = query.shape[0], query.shape[1]
     q = query.view(hkv, heads // hkv, tokens, dim)
     flat = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)  # the layer's output layout
-    if _current.tokens < tokens:
-        flat[_current.tokens:] = 0  # padding rows: no group writes them
+    if current.tokens < tokens:
+        flat[current.tokens:] = 0  # padding rows: no group writes them
     out = flat.transpose(0, 1).view(hkv, heads // hkv, tokens, dim)
     scale = scaling if scaling is not None else dim ** -0.5
-    in_place = (_current.kernel and query.dtype == k_cache.dtype and query.dtype in paged_kernel.DTYPES
+    in_place = (current.kernel and query.dtype == k_cache.dtype and query.dtype in paged_kernel.DTYPES
                 and query.stride(-1) == 1)
     for i, grp in enumerate(step.groups):
         if in_place and grp.rows.shape[1] == 1:

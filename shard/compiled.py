@@ -11,11 +11,13 @@ oneDNN builds a kernel per shape), and size 1 has its own (bf16 on oneDNN: kept 
 than the eager step on this CPU, `race_single`). On CUDA each
 size is captured alone and a step is padded up to the next one (the runner pads: runner.py). Any other step runs the same forward eagerly. The
 symbolic graph computes logits for the rows asked for only, a CUDA graph for all of its rows (one shape per
-size), handing back those asked for. Nothing compiles after Warmup: were a step the graphs do not cover routed to
+size), handing back those asked for. When they compile is compiling.py's decision; served steps use the graphs only
+once all are compiled (`ready`), and nothing compiles after that: were a step the graphs do not cover routed to
 them (a guard fails), it runs eagerly rather than stall the server, and is counted as eager.
 """
 import logging
 import statistics
+import threading
 import time
 from typing import Callable, Optional
 
@@ -49,7 +51,9 @@ class CompiledForward:
     def __init__(self, model: nn.Module, device: torch.device, sizes: tuple[int, ...], race: bool = False):
         self.model, self.sizes, self.race = model, sizes, race and 1 in sizes
         self.timings: dict[str, float] = {}  # the race's median step seconds, compiled and eager
-        self.bypass = False  # the race's eager turns
+        # in the thread compiling or racing (compiling.py), not in one serving meanwhile: `compiling` (a step may
+        # compile), `trial` (steps run the graphs before they are ready), `bypass` (the race's eager turns)
+        self._here = threading.local()
         self.cuda = device.type == "cuda"
         config = torch._dynamo.config  # on CUDA one graph per size, which dynamo would stop compiling at 8
         config.recompile_limit = max(config.recompile_limit, len(sizes) + 1)
@@ -60,9 +64,11 @@ class CompiledForward:
             torch._inductor.config.graph_partition = True
         self.graphs = torch.compile(model, fullgraph=True, dynamic=False,
                                     mode="reduce-overhead" if self.cuda else None)
-        self.ready = False  # Warmup compiled every size
-        self.compiling = False  # inside Warmup: a step may compile
-        self.seconds = 0.0  # Warmup's compile time
+        self.ready = False  # every size compiled, and served steps run the graphs
+        self.seconds = 0.0  # the compile's time
+
+    def _flag(self, name: str) -> bool:
+        return getattr(self._here, name, False)
 
     def pad_to(self, tokens: int) -> Optional[int]:
         """The compiled size a step of `tokens` rows is padded to; None beyond the largest."""
@@ -70,39 +76,42 @@ class CompiledForward:
             return None
         return next((s for s in self.sizes if s >= tokens), None)
 
-    def warmup(self, run_step: Callable[[int], None]) -> None:
-        """Compiles (and on CUDA captures) every size by running a step of that many tokens through `run_step`.
-        A failure leaves the forward eager, and says why."""
+    def compile(self, run_step: Callable[[int], None]) -> bool:
+        """Compiles (and on CUDA captures) every size by running a step of that many tokens through `run_step`, in
+        the calling thread; served steps go on eagerly until `ready` is set. A failure leaves the forward eager, and
+        says why."""
         start = time.perf_counter()
-        self.compiling = True
+        self._here.compiling = self._here.trial = True
         try:
             for size in self.sizes:
                 for _ in range(3 if self.cuda else 1):  # CUDA graphs: a warm-up run, the capture, a replay
                     run_step(size)
-            self.ready = True
+            compiled = True
         except Exception as error:  # a model or backend inductor cannot compile: serve eagerly
             log.warning("compiling step sizes %s failed, every step runs eagerly: %s: %s", self.sizes,
                         type(error).__name__, str(error)[:2000])
-            self.sizes = ()
+            self.sizes, compiled = (), False
         finally:
-            self.compiling = False
+            self._here.compiling = self._here.trial = False
         self.seconds = time.perf_counter() - start
-        if self.ready:
+        if compiled:
             log.info("compiled step sizes %s in %.1f s", ",".join(map(str, self.sizes)), self.seconds)
+        return compiled
 
     def race_single(self, run_step: Callable[[int], None], rounds: int = 9) -> None:
         """bf16 on oneDNN, a step of one request: compiled it ran 0.89x the eager step's speed on a Zen 4 and
         1.13-1.17x on a Sapphire Rapids (in-process, 2026-12-06), so both run here, interleaved, and the faster stays."""
         seconds: dict[bool, list[float]] = {True: [], False: []}
+        self._here.trial = True
         try:
             for _ in range(rounds):
                 for eager in (False, True):
-                    self.bypass = eager
+                    self._here.bypass = eager
                     start = time.perf_counter()
                     run_step(1)
                     seconds[eager].append(time.perf_counter() - start)
         finally:
-            self.bypass = False
+            self._here.bypass = self._here.trial = False
         self.timings = {"compiled": statistics.median(seconds[False]), "eager": statistics.median(seconds[True])}
         if self.timings["eager"] < self.timings["compiled"]:
             self.sizes = tuple(s for s in self.sizes if s != 1)
@@ -111,7 +120,7 @@ class CompiledForward:
 
     def covers(self, tokens: int) -> bool:
         """A graph exists for a step of exactly `tokens` rows."""
-        if self.bypass or not (self.ready or self.compiling):
+        if self._flag("bypass") or not (self.ready or self._flag("trial")):
             return False
         if self.cuda or tokens == 1:
             return tokens in self.sizes
@@ -146,7 +155,7 @@ class CompiledForward:
         return logits if wanted >= 2 else logits[:wanted]
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if self.compiling:  # rows and kept rows of equal sizes get separate symbols, not one (duck shaping)
+        if self._flag("compiling"):  # rows and kept rows of equal sizes get separate symbols, not one (duck shaping)
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 return self.graphs(ids, positions, rows)
         with torch.compiler.set_stance("fail_on_recompile"):

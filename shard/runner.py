@@ -3,6 +3,7 @@
 The runner keeps, per running request, what the router need not resend: sampling parameters, the block
 tables and the number of cached tokens (and the token history, for penalties).
 """
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -219,26 +220,36 @@ class Runner:
         return torch.tensor(st.history, device=self.device) if st.params.penalized else None
 
     def warmup(self, max_prefill_tokens: int) -> None:
-        """One forward at the largest step size, so activation memory is known before the pool is sized; the
-        first time, the compiled step sizes too (steps of that many one-token requests)."""
+        """One eager forward at the largest step size, so activation memory is known before the pool is sized."""
         blocks = ceil_div(max_prefill_tokens, self.block_size)
         windowed = any(self.loaded.sliding)
-        sizes = self.compiled.sizes if self.compiled and not self.compiled.ready else ()
-        pool = max((blocks, *sizes))
-        self.allocate(pool, pool if windowed else 0)
+        self.allocate(blocks, blocks if windowed else 0)
         self.requests.clear()
         self.step([Entry(0, [1] * max_prefill_tokens, list(range(blocks)), sample=True, params=Params(),
                          new_window_blocks=list(range(blocks)) if windowed else [])])
         self.requests.clear()
-        if sizes:
-            self.compiled.warmup(self._one_token_requests)
         self.cache = None
-        if sizes and self.compiled.ready and self.compiled.race:
-            # on a pool of its own: on the warmup's pool the compiled step timed as slow as the eager one, on
-            # any pool allocated after it (as served) 1.15x faster (the cause not found)
-            self.allocate(1)
-            self.compiled.race_single(self._one_token_requests)
-            self.cache = None
+
+    def scratch(self, num_blocks: int) -> "Runner":
+        """A runner on the same weights and compiled forward, with a pool and requests of its own: it compiles in
+        one thread while this one serves in another (each thread has its own step layout, attention.py)."""
+        other = copy.copy(self)
+        other.requests = {}
+        other.allocate(num_blocks, num_blocks if any(self.loaded.sliding) else 0)
+        return other
+
+    def compile(self) -> bool:
+        """Compiles every step size in the calling thread, on a scratch pool; served steps stay eager until
+        `go_live`."""
+        return self.compiled.compile(self.scratch(max(self.compiled.sizes))._one_token_requests)
+
+    def go_live(self) -> None:
+        """Served steps run the compiled graphs from now on; first, where asked, a step of one request races
+        compiled against eager (CompiledForward.race_single) on a pool of its own: on the pool the compile used,
+        both timed alike, on any pool allocated after it (as served) compiled ran 1.15x faster (cause not found)."""
+        if self.compiled.race:
+            self.compiled.race_single(self.scratch(1)._one_token_requests)
+        self.compiled.ready = True
 
     def _one_token_requests(self, n: int) -> None:
         """A step of n requests with a one-token prompt each (n rows), in n fresh blocks."""

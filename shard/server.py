@@ -12,6 +12,7 @@ import torch
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from shard.compiling import Compiling
 from shard.kv_cache import size_pools
 from shard.main_thread import MainThread, on_main_thread
 from shard.model import LoadedModel
@@ -30,6 +31,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.runner = runner
         self.world = world
         self.swap: SwapPool | None = None
+        self.compiling = Compiling(runner, main, world)
 
     def Info(self, request, context):
         m = self.loaded
@@ -43,12 +45,18 @@ class ShardService(pb_grpc.ShardServicer):
         )
 
     def Health(self, request, context):
-        return pb.HealthResponse()
+        """Answered by a gRPC thread, also while the main thread runs a step: a shard that does not answer is hung."""
+        c = self.compiling
+        return pb.HealthResponse(compile_state=c.state, compiled_sizes=c.sizes, compile_seconds=c.seconds)
 
     @on_main_thread
     def Warmup(self, request, context):
+        """Sizes the pools after one eager step at the largest size; the step sizes compile here first where they
+        must (CUDA graphs: their memory is then counted), else in the background once the pools exist."""
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
+        if not self.compiling.background:
+            self.compiling.start()
         sizes = size_pools(m.sliding, m.sliding_window, r.block_size, m.kv_heads, m.head_dim, m.dtype,
                            r.device, self.world, num_blocks=request.num_blocks,
                            max_prefill_tokens=request.max_prefill_tokens, max_batch_size=request.max_batch_size,
@@ -66,11 +74,10 @@ class ShardService(pb_grpc.ShardServicer):
         if self.swap:
             log.info("swap pool: %d blocks (%.1f MiB of host memory)", sizes.num_swap_blocks,
                      sizes.num_swap_blocks * sizes.bytes_per_block / 2**20)
-        compiled = r.compiled if r.compiled and r.compiled.ready else None
+        self.compiling.start()
         return pb.WarmupResponse(num_blocks=sizes.num_blocks, num_window_blocks=sizes.num_window_blocks,
-                                 num_swap_blocks=sizes.num_swap_blocks,
-                                 compiled_sizes=compiled.sizes if compiled else [],
-                                 compile_seconds=compiled.seconds if compiled else 0.0)
+                                 num_swap_blocks=sizes.num_swap_blocks, compiled_sizes=self.compiling.sizes,
+                                 compile_seconds=self.compiling.seconds)
 
     @on_main_thread
     def _step(self, request, context):
@@ -132,11 +139,12 @@ def step_entry(e: pb.StepEntry) -> Entry:
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:
-    """One worker thread: calls are strictly ordered (their torch work goes on to the service's MainThread). The
-    socket is created owner-only (umask), not chmodded after the fact."""
+    """Calls are strictly ordered: the router sends the next only once every rank answered, and their torch work
+    goes on to the service's MainThread. A second worker answers Health while a step runs (the router's hang
+    probe). The socket is created owner-only (umask), not chmodded after the fact."""
     if os.path.exists(uds):
         os.unlink(uds)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=[
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20),
     ])
     pb_grpc.add_ShardServicer_to_server(service, server)

@@ -29,8 +29,9 @@ class Info(BaseModel):
     safety_margin: float
     prefill_step_ratio: float = 0.0  # 0: prompt chunks bounded by max_batch_prefill_tokens alone
     prefix_caching: bool
-    compiled_step_sizes: list[int] = []  # steps of these many tokens run graphs compiled at start-up
-    compile_seconds: float = 0.0
+    compiled_step_sizes: list[int] = []  # steps of these many tokens run compiled graphs (once compile_state is ready)
+    compile_seconds: float = 0.0  # from the compile's start until its graphs served
+    compile_state: str = "off"  # off, pending, compiling (steps run eagerly meanwhile), ready or failed
     max_stop_sequences: int
     max_top_n_tokens: int
     router: str = "cb-router"

@@ -13,6 +13,7 @@ from router.core.request import Request
 from router.detokenizer import Detokenizer
 from router.engine import Engine
 from router.job import Job
+from router.shards import ShardError
 
 
 @dataclass
@@ -60,6 +61,21 @@ class Service:
         metrics.max_new_tokens.observe(v.max_new_tokens)
         self.engine.submit(job)
         return job
+
+    async def current_info(self) -> Info:
+        """/info, with the step sizes' compile as the shards report it now while it is not over (it runs in the
+        background on a CPU shard: shard/compiling.py)."""
+        info = self.info
+        if info.compile_state in ("pending", "compiling"):
+            try:
+                health = await self.engine.shards.health()
+            except ShardError:
+                return info
+            if health.compile_state:
+                self.info = info = info.model_copy(update=dict(
+                    compile_state=health.compile_state, compiled_step_sizes=list(health.compiled_sizes),
+                    compile_seconds=round(health.compile_seconds, 1)))
+        return info
 
     def text(self, job: Job) -> str:
         return self.tokenizer.decode(job.request.generated, skip_special_tokens=True)

@@ -150,7 +150,7 @@ class TGIRoutes:
         return JSONResponse({})
 
     async def info(self) -> Info:
-        return self.svc.info
+        return await self.svc.current_info()
 
     async def prometheus(self):
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -28,15 +28,17 @@ def free_port() -> int:
 
 
 class Server:
-    """A real `cb-launcher` process tree: shards, router, HTTP on a free port."""
+    """A real `cb-launcher` process tree: shards, router, HTTP on a free port. Nothing is compiled unless the test
+    names --compile-sizes (test_compiled_steps.py): a compile costs a 2-core machine 10-45 s of both cores."""
 
     def __init__(self, *args: str, model_id: str = "smollm2", wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"cb-test-{self.port}.log"
         self.log = open(self.log_path, "w")
+        compiled = [] if "--compile-sizes" in args else ["--compile-sizes", "0"]
         cmd = [sys.executable, "-m", "launcher", "--model-id", model_id, "--port", str(self.port),
-               "--dtype", "float32", *args]
+               "--dtype", "float32", *compiled, *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()

@@ -13,13 +13,15 @@ from conftest import Server, assert_idle, metric, stream_events
 from test_correctness import prompts
 from test_lifecycle import children
 
-DEADLINE = 10  # --shard-timeout: the longest a hung shard can hold a step
+HUNG_WITHIN = 15  # s from a shard's SIGSTOP to /health 503, at the default flags (the issue's promise)
+WAIT = 300  # s any wait here gives up after: a bound on a hang, not a timing
 
 
 @pytest.fixture(scope="module")
 def tp3():
+    """The deadline flags at their defaults (--shard-timeout 60): a hang is found by the router's Health probes."""
     s = Server("--num-shard", "3", "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "8192",
-               "--max-total-tokens", "1024", "--shard-timeout", str(DEADLINE))
+               "--max-total-tokens", "1024")
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -43,12 +45,15 @@ class Streams:
                 self.errors.append(event)
 
     def wait_for_tokens(self, n: int) -> None:
+        give_up = time.monotonic() + WAIT
         while sum(map(len, self.tokens)) < n:
+            assert time.monotonic() < give_up, f"{sum(map(len, self.tokens))} tokens after {WAIT} s, {self.errors}"
             time.sleep(0.05)
 
     def join(self) -> None:
         for t in self.threads:
-            t.join(timeout=600)
+            t.join(timeout=WAIT)
+        assert not any(t.is_alive() for t in self.threads), f"streams still running after {WAIT} s"
 
 
 def shard_pid(server: Server, rank: int) -> int:
@@ -87,7 +92,7 @@ def test_stopped_shard_turns_health_503_and_is_replaced(tp3, reference):
     began = time.monotonic()
     try:
         while health(tp3.url) == 200:
-            assert time.monotonic() - began < DEADLINE + 5, "/health stayed 200 past the deadline"
+            assert time.monotonic() - began < HUNG_WITHIN, f"/health stayed 200 for {HUNG_WITHIN} s"
             time.sleep(0.2)
         streams.join()
     finally:
