@@ -74,16 +74,19 @@ class Settings:
                                       "model's enter the quantized GEMMs in bf16): int8 (per output channel) or "
                                       "int4 (groups of 32, CPU only); faster for a few requests at a time, slower "
                                       "for large batches", choices=("int8", "int4"))
-    compile_sizes: str = setting("auto", "step sizes, in tokens, compiled at start-up with torch.compile (on a GPU "
-                                 "also captured as CUDA graphs, TGI's --cuda-graphs): a comma-separated list, auto "
-                                 "(CPU 1,2,4,8,16,24,32; GPU 1,2,4,8,16,32) or 0 for none. A step up to the largest "
-                                 "is padded to the next size; longer ones run eagerly (in bf16 on oneDNN, steps of 1 token "
-                                 "too where Warmup times them faster so). Llama-family models only")
+    compile_sizes: str = setting("auto", "step sizes, in tokens, compiled with torch.compile: a comma-separated "
+                                 "list, auto (CPU 1,2,4,8,16,24,32; GPU 1,2,4,8,16,32) or 0 for none. One CPU shard "
+                                 "compiles in the background while it serves eagerly; a GPU (which also captures them "
+                                 "as CUDA graphs, TGI's --cuda-graphs) or --num-shard > 1 compiles before serving. A "
+                                 "step up to the largest is padded to the next size; longer ones run eagerly (in bf16 "
+                                 "on oneDNN, steps of 1 token too where Warmup times them faster so). Llama-family "
+                                 "models only")
     uds_dir: Optional[str] = setting(None, "folder for the shards' sockets and the file their torch.distributed "
                                      "ranks meet through (default: a fresh temporary folder)")
-    shard_timeout: float = setting(60.0, "most seconds any shard call may take (the deadline in force is 10x the "
-                                   "slowest step seen, at least 10 s, at most this); a call past it is a shard "
-                                   "failure", min=1.0)
+    shard_timeout: float = setting(60.0, "most seconds a step may take (the deadline in force is 10x the slowest "
+                                   "step served, at least 10 s, at most this); a step past it is a shard failure. "
+                                   "A shard that stops answering Health while a step runs is failed sooner (~6 s)",
+                                   min=1.0)
     max_restarts: int = setting(3, "times in a row a failed shard set is replaced (every request resumes) before "
                                 "the server gives up and exits 1; an hour of service resets the count", min=0)
     graceful_timeout: float = setting(30.0, "seconds in-flight requests get to finish on shutdown", min=0.0)
@@ -167,3 +170,54 @@ def settings_command(names: Optional[tuple] = None, optional: bool = False):
 
 def _plain(value):
     return value.value if isinstance(value, enum.Enum) else value
+
+
+def flags_markdown() -> str:
+    """Every setting as a markdown table (flag, environment variable, default, allowed values, meaning), for the
+    README. Flag and variable are read off the same typer options the launcher builds, so the table cannot name a
+    spelling the command line does not take. Regenerate with `python -m router.settings` (prints it) or
+    `python -m router.settings --write README.md` (replaces the table between its markers)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    def value(v) -> str:
+        return "on" if v is True else "off" if v is False else f"`{v}`"
+
+    rows = ["| flag | env | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
+    for f in fields(Settings):
+        option, meta = _option(f, optional=False), f.metadata
+        flag = " / ".join(f"`{spelling}`" for decl in option.param_decls for spelling in decl.split("/"))
+        allowed = (" ".join(f"`{c}`" for c in meta["choices"]) if meta["choices"]
+                   else f"{meta['min']} to {meta['max']}" if meta["min"] is not None and meta["max"] is not None
+                   else f"≥ {meta['min']}" if meta["min"] is not None
+                   else f"≤ {meta['max']}" if meta["max"] is not None else "")
+        default = "none" if f.default is None else value(f.default)
+        rows.append(f"| {flag} | `{option.envvar}` | {default} | {allowed} | {cell(meta['help'])} |")
+    return "\n".join(rows) + "\n"
+
+
+FLAGS_START, FLAGS_END = "<!-- flags:start -->", "<!-- flags:end -->"
+
+
+def _write_flags(path: str) -> None:
+    """Replaces what lies between the flags markers in `path` with flags_markdown()."""
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    head, _, rest = text.partition(FLAGS_START + "\n")
+    _, end, tail = rest.partition(FLAGS_END)
+    if not end:
+        raise SystemExit(f"{path}: no {FLAGS_START} ... {FLAGS_END} markers")
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(head + FLAGS_START + "\n" + flags_markdown() + FLAGS_END + tail)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--write"] and len(sys.argv) == 3:
+        _write_flags(sys.argv[2])
+    elif len(sys.argv) == 1:
+        print(flags_markdown(), end="")
+    else:
+        raise SystemExit("usage: python -m router.settings [--write README.md]")
