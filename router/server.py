@@ -123,7 +123,15 @@ async def start_engine(s: Settings, shards):
     budget = Budget(s.max_batch_prefill_tokens, total, s.max_batch_size, s.waiting_served_ratio,
                     s.max_waiting_tokens)
     trace = Trace(open(s.trace_file, "w") if s.trace_file else None)
-    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, pacer(s.prefill_step_ratio)), trace,
+    trace.calibrate(pools.step_times)
+    paced = pacer(s.prefill_step_ratio)
+    if paced is not None:  # the cost model starts from the steps the shards timed, not from nothing
+        paced.calibrate(trace.calibration)
+        per_token = (paced.prompt_cost() or (0.0, 0.0))[0]
+        log.info("step cost model from Warmup: decode-only steps of 1 / 64 requests %.1f / %.1f ms, %.2f ms a "
+                 "prompt token", 1e3 * (paced.decode_step(1) or 0), 1e3 * (paced.decode_step(64) or 0),
+                 1e3 * per_token)
+    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, paced), trace,
                     Recovery(shards, sizing, pools))
     return engine, Info(
         model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device,

@@ -115,11 +115,13 @@ class Shards:
         if any(a.num_blocks != smallest for a in answers):
             request.num_blocks = smallest
             answers = await self._every("Warmup", request, WARMUP_TIMEOUT)
+        slowest = [max(times, key=lambda t: t.seconds) for times in zip(*(a.step_times for a in answers))]
         return pb.WarmupResponse(num_blocks=smallest,
                                  num_window_blocks=min(a.num_window_blocks for a in answers),
                                  num_swap_blocks=min(a.num_swap_blocks for a in answers),
                                  compiled_sizes=answers[0].compiled_sizes,
-                                 compile_seconds=max(a.compile_seconds for a in answers))
+                                 compile_seconds=max(a.compile_seconds for a in answers),
+                                 step_times=slowest)  # a step ends when its slowest rank does
 
     async def offload(self, step: Step) -> None:
         await self._all("Offload", pb.OffloadRequest(

@@ -1,6 +1,7 @@
 """A JSON-lines record of every scheduling decision, so the simulator can replay the same arrivals through
 the same scheduler code and be checked against what the live router did. Each line also carries how long the
-step before it took, as the pacer saw it, so a replay paces its prompt chunks exactly as the live router did."""
+step before it took, as the pacer saw it, and the first line the steps Warmup timed, which the pacer started from,
+so a replay paces its prompt chunks exactly as the live router did."""
 import json
 import time
 from typing import Optional, TextIO
@@ -16,6 +17,11 @@ class Trace:
         self.finished: list[list[int]] = []
         self.took: Optional[float] = None
         self.steps = 0
+        self.calibration: list[list] = []  # Warmup's timed steps, which the pacer starts from: on the first line
+
+    def calibrate(self, step_times) -> None:
+        """The steps the shards timed at Warmup ([decodes, chunk start, chunk tokens, seconds] each)."""
+        self.calibration = [[t.decodes, t.chunk_start, t.chunk_tokens, t.seconds] for t in step_times]
 
     def arrive(self, req: Request) -> None:
         if self.out:
@@ -36,13 +42,16 @@ class Trace:
         """Written after retirements and arrivals are known and the scheduler has decided."""
         if not self.out:
             return
-        self.out.write(json.dumps({
+        line = {
             "step": self.steps, "time": time.monotonic(), "took": self.took, "arrivals": self.arrivals,
             "finished": self.finished,
             "entries": [[e.request.id, e.start, e.num_tokens, e.sample] for e in step.entries],
             "preempted": [r.id for r in step.preempted],
             "offloaded": [r.id for r in step.offloaded], "restored": [r.id for r in step.restored],
-        }) + "\n")
+        }
+        if self.steps == 0 and self.calibration:
+            line["calibration"] = self.calibration
+        self.out.write(json.dumps(line) + "\n")
         self.out.flush()
         self.arrivals, self.finished, self.took = [], [], None
         self.steps += 1

@@ -12,6 +12,7 @@ import torch
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from shard import calibration
 from shard.compiling import Compiling
 from shard.kv_cache import size_pools
 from shard.main_thread import MainThread, on_main_thread
@@ -32,6 +33,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.world = world
         self.swap: SwapPool | None = None
         self.compiling = Compiling(runner, main, world)
+        self.step_times: Optional[list] = None  # timed at the first Warmup (calibration.py)
 
     def Info(self, request, context):
         m = self.loaded
@@ -51,10 +53,14 @@ class ShardService(pb_grpc.ShardServicer):
 
     @on_main_thread
     def Warmup(self, request, context):
-        """Sizes the pools after one eager step at the largest size; the step sizes compile here first where they
-        must (CUDA graphs: their memory is then counted), else in the background once the pools exist."""
+        """Sizes the pools after one eager step at the largest size, and times steps for the router's cost model
+        (the first time); the step sizes compile here first where they must (CUDA graphs: their memory is then
+        counted), else in the background once the pools exist."""
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
+        if self.step_times is None:
+            self.step_times = calibration.time_steps(r, max(request.max_prefill_tokens, 1),
+                                                     max(request.max_batch_size, 1))
         if not self.compiling.background:
             self.compiling.start()
         sizes = size_pools(m.sliding, m.sliding_window, r.block_size, m.kv_heads, m.head_dim, m.dtype,
@@ -77,7 +83,9 @@ class ShardService(pb_grpc.ShardServicer):
         self.compiling.start()
         return pb.WarmupResponse(num_blocks=sizes.num_blocks, num_window_blocks=sizes.num_window_blocks,
                                  num_swap_blocks=sizes.num_swap_blocks, compiled_sizes=self.compiling.sizes,
-                                 compile_seconds=self.compiling.seconds)
+                                 compile_seconds=self.compiling.seconds,
+                                 step_times=[pb.StepTime(decodes=d, chunk_start=s, chunk_tokens=n, seconds=t)
+                                             for d, s, n, t in self.step_times])
 
     @on_main_thread
     def _step(self, request, context):

@@ -56,7 +56,8 @@ def replay(lines: list[dict], budget: Budget, num_blocks: int, block_size: int,
     `options`: the traced server's policy, safety_margin and swap_blocks (see server_config)."""
     reqs, at_steps = trace_requests(lines)
     sim = simulate_continuous(reqs, budget, num_blocks, block_size, cost, at_steps=at_steps, record=True,
-                              prefix_caching=prefix_caching, took=[line.get("took") for line in lines], **options)
+                              prefix_caching=prefix_caching, took=[line.get("took") for line in lines],
+                              calibration=lines[0].get("calibration") if lines else None, **options)
     diffs = []
     for k, (live, mine) in enumerate(zip(lines, sim.decisions)):
         for key in ("entries", "preempted", "offloaded", "restored", "finished"):

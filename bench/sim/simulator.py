@@ -190,14 +190,18 @@ def simulate_continuous(reqs: list[Req], budget: Budget, num_blocks: int, block_
                         at_steps: Optional[list[int]] = None, record: bool = False,
                         prefix_caching: bool = True, policy: str = "fifo", safety_margin: float = 0.0,
                         swap_blocks: int = 0, prefill_step_ratio: float = 0.0,
-                        took: Optional[list[Optional[float]]] = None) -> SimResult:
+                        took: Optional[list[Optional[float]]] = None,
+                        calibration: Optional[list] = None) -> SimResult:
     """Continuous batching through the production Scheduler and KVManager. `times`: arrival offsets (default all
     at 0); `at_steps`: instead, the index of the schedule() call each request arrives just before (trace replay).
     The simulator knows lengths, not texts: requests without ids never share prefix blocks with each other.
     prefill_step_ratio: the router's pacer (router/core/pacing.py), learning the cost model's step times, or with
-    `took` (a replay) the live ones."""
+    `took` (a replay) the live ones, starting from `calibration` (the steps the live router's Warmup timed)."""
     kv = KVManager(num_blocks, block_size, prefix_caching, swap_blocks)
-    sched = Scheduler(budget, kv, policy, safety_margin, pacer(prefill_step_ratio))
+    paced = pacer(prefill_step_ratio)
+    if paced is not None and calibration:
+        paced.calibrate(calibration)
+    sched = Scheduler(budget, kv, policy, safety_margin, paced)
     return _Continuous(reqs, sched, cost or CostModel.steps(), times or [0.0] * len(reqs), at_steps, record,
                        took).run()
 

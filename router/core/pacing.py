@@ -12,7 +12,17 @@ where a chunk of n tokens after `start` cached ones reads keys = n · (start + (
 prompt cost more, as each of their tokens attends to everything before it. The step may then carry the largest n
 whose addition stays within (ratio - 1) · decode-only step(D), at least `min_tokens` (a prompt always moves on).
 With nothing decoding there is nobody to hold up: prompts take the whole --max-batch-prefill-tokens. The token
-budgets stay upper bounds either way. Pure Python: the scheduler, the simulator and the tests use it as it is.
+budgets stay upper bounds either way.
+
+The bound protects running streams from a prompt, not from a queue: with Q requests queued (not yet admitted)
+beside D decoding, the ratio is scaled by (D + Q) / D, the requests waiting on this step per stream it stalls. A
+long prompt beside eight streams is admitted at once and then moves at the ratio (nothing queued); a burst of sixty
+prompts beside the four admitted first is not starved to spare those four a few milliseconds each (W64 after one
+lone request: 525-575 chunks of ~16 tokens, its TTFT 2-4x, before this).
+
+The model starts from Warmup's timed steps (the shards time decode-only and prompt steps of several sizes), not
+from nothing: fitted only on the steps of one request, a decode-only step of 64 looked as cheap as a step of one.
+Pure Python: the scheduler, the simulator and the tests use it as it is.
 """
 import math
 from typing import Iterable, Optional
@@ -84,6 +94,11 @@ class Pacer:
             return
         self._prompts.add(tokens, sum(keys_read(s, n) for s, n in chunks), max(seconds - alone, 0.0))
 
+    def calibrate(self, steps: Iterable[tuple[int, int, int, float]]) -> None:
+        """Starts from steps timed at Warmup: (decodes, chunk start, chunk tokens, seconds) each."""
+        for decodes, start, tokens, seconds in steps:
+            self.observe(decodes, [(start, tokens)] if tokens else [], seconds)
+
     def decode_step(self, decodes: int) -> Optional[float]:
         """Predicted seconds of a step of `decodes` decodes alone; None before any was seen."""
         fit = self._decodes.coefficients()
@@ -96,13 +111,15 @@ class Pacer:
             return fit
         return None if self._rough is None else (self._rough, 0.0)
 
-    def prompt_tokens(self, decodes: int, start: int = 0) -> Optional[int]:
+    def prompt_tokens(self, decodes: int, start: int = 0, queued: int = 0) -> Optional[int]:
         """The most prompt tokens a step beside `decodes` decodes may carry, for a chunk after `start` cached
-        tokens; None: no bound (nothing decodes, or the model has not seen both kinds of step yet)."""
+        tokens, with `queued` requests not yet admitted; None: no bound (nothing decodes, or the model has not
+        seen both kinds of step yet)."""
         alone, cost = self.decode_step(decodes), self.prompt_cost()
         if not decodes or alone is None or cost is None:
             return None
-        room, (per_token, per_key) = (self.ratio - 1) * alone, cost
+        ratio = self.ratio * (decodes + queued) / decodes
+        room, (per_token, per_key) = (ratio - 1) * alone, cost
         # per_token·n + per_key·n·(start + (n + 1)/2) <= room: the positive root of a quadratic in n
         linear = per_token + per_key * (start + 0.5)
         if per_key > 0:

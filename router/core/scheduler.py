@@ -14,7 +14,8 @@ A step serves, in this order:
    waits until waiting_served_ratio waiting requests per running one are queued or max_waiting_tokens steps
    have passed since the last admission (TGI's rule).
 While requests decode, the prompt tokens of a step (chunks, restores and admissions together) are also bounded
-by the pacer (pacing.py), so the decodes' step stays within a multiple of its time without them.
+by the pacer (pacing.py), so the decodes' step stays within a multiple of its time without them (a multiple that
+grows with the requests queued per decoding one).
 
 Eviction: when a running decode cannot get its next block, the worst-ranked running request not yet scheduled
 this step (lowest priority, newest) is evicted, repeatedly, until it fits; only requests ranked below the
@@ -127,7 +128,7 @@ class Scheduler:
         running = sorted(self.running, key=_rank)
         decodes = [r for r in running if r.is_decoding]
         chunks = [r for r in running if not r.is_decoding]
-        prefill_left = self.prompt_budget(len(decodes), chunks[0].computed if chunks else 0)
+        prefill_left = self.prompt_budget(len(decodes), chunks[0].computed if chunks else 0, len(self.waiting))
         for group in (decodes, chunks) if self.policy == "fifo" else (chunks, decodes):
             for req in group:
                 if req.state is not State.RUNNING or req.id in scheduled:
@@ -150,11 +151,11 @@ class Scheduler:
             admitted = self._admit(step, scheduled, prefill_left, held)
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
 
-    def prompt_budget(self, decodes: int, start: int) -> int:
-        """Prompt tokens a step beside `decodes` decodes may compute, its first chunk after `start` cached tokens:
-        the budget, or less as the pacer says."""
+    def prompt_budget(self, decodes: int, start: int, queued: int) -> int:
+        """Prompt tokens a step beside `decodes` decodes may compute, its first chunk after `start` cached tokens,
+        `queued` requests waiting for admission: the budget, or less as the pacer says."""
         budget = self.budget.max_batch_prefill_tokens
-        paced = self.pacer.prompt_tokens(decodes, start) if self.pacer is not None else None
+        paced = self.pacer.prompt_tokens(decodes, start, queued) if self.pacer is not None else None
         return budget if paced is None else min(paced, budget)
 
     def _restore(self, step: Step, scheduled: set[int], prefill_left: int, held: int) -> tuple[int, int]:

@@ -101,3 +101,53 @@ def test_without_a_pacer_the_budget_alone_bounds_chunks():
     long = req(2000, 5)
     s.add(long)
     assert by_id(run_step(s, fake_cost))[long.id].num_tokens == 512
+
+
+def calibrated(ratio=1.7) -> Pacer:
+    """A pacer started as the router starts it: from the steps Warmup timed (shard/calibration.py's plan)."""
+    pacer = Pacer(ratio)
+    pacer.calibrate([(d, s, n, alone(d) + PER_TOKEN * n + PER_KEY * keys_read(s, n))
+                     for d, s, n in ((1, 0, 0), (16, 0, 0), (64, 0, 0), (16, 0, 64), (16, 0, 512), (16, 512, 64))])
+    return pacer
+
+
+def test_warmup_steps_give_the_model_before_any_request():
+    """Fitted on one request's steps alone, a decode-only step of 64 looked as cheap as one; Warmup's timed
+    steps of 1, 16 and 64 decodes (and chunks beside 16) make it right from the start."""
+    pacer = calibrated()
+    assert pacer.decode_step(64) == pytest.approx(alone(64))
+    assert pacer.prompt_cost() == pytest.approx((PER_TOKEN, PER_KEY))
+    for _ in range(20):  # a lone request's steps do not undo it
+        pacer.observe(1, [], alone(1))
+    assert pacer.decode_step(64) == pytest.approx(alone(64))
+
+
+def test_a_burst_is_not_paced_to_spare_the_few_admitted_first():
+    """Sixty prompts queued beside four decodes: the step may carry many more prompt tokens than a long prompt
+    already admitted beside eight streams, which moves at the ratio."""
+    pacer = calibrated(1.7)
+    lone = pacer.prompt_tokens(8, 0, queued=0)
+    added = PER_TOKEN * lone + PER_KEY * keys_read(0, lone)
+    assert added <= 0.7 * alone(8) + 1e-12 < PER_TOKEN * (lone + 1) + PER_KEY * keys_read(0, lone + 1)
+    burst = pacer.prompt_tokens(4, 0, queued=60)
+    assert burst > 10 * pacer.prompt_tokens(4, 0, queued=0)
+    assert PER_TOKEN * burst + PER_KEY * keys_read(0, burst) <= (1.7 * 16 - 1) * alone(4) + 1e-12
+
+
+def test_a_burst_after_a_lone_request_reaches_full_batches_quickly():
+    """W64's shape after one lone request: the scheduler admits the burst in a few large steps, not hundreds of
+    16-token chunks."""
+    s = Scheduler(Budget(512, 1 << 16, 64, 0.0, 0), KVManager(4096, 16), pacer=calibrated(1.7))
+    s.add(req(30, 8))
+    drain(s, cost=fake_cost)
+    burst = [req(141, 130) for _ in range(64)]
+    for r in burst:
+        s.add(r)
+    steps = 0
+    while any(r.computed < len(r.prompt_ids) for r in burst):
+        run_step(s, fake_cost)
+        steps += 1
+    # at least 18 steps of 512 prompt tokens; paced as if nothing were queued it took 169 on this fake machine
+    # (whose prompt tokens are dear: 1 ms each), 48 with the queue counted
+    assert steps <= 55, steps
+    drain(s, cost=fake_cost)
