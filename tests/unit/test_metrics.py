@@ -19,13 +19,13 @@ from router.core.kv import KVManager
 from router.core.request import Request
 from router.core.scheduler import Budget, Scheduler
 from router.core.step import Step
-from router.deadline import Deadline
 from router.detokenizer import Detokenizer
 from router.engine import Engine
 from router.job import Job
 from router.shards import ShardError
 
 from drive import req
+from test_engine_failure import FlakyShards
 from drive import step as step_once
 
 
@@ -82,16 +82,15 @@ class Tokenizer:
         return "".join(f"<{i}>" for i in ids)
 
 
-class Shards:
+class Shards(FlakyShards):
     """Each step takes `forward` seconds of the fake clock, spent as the call starts (so the previous step's
     tokens stream at its end) and reported as the shard's forward_ns; answers 7 + tokens so far. Records when each
     step was sent, what it carried and the gauges then. `die_at` a step number: the shard set dies there."""
 
     def __init__(self, clock: Clock, forward: float = 1.0, compiled=lambda step: False):
+        super().__init__()
         self.clock, self.forward, self.compiled = clock, forward, compiled
-        self.deadline = Deadline(60.0)
         self.sent: list[tuple[float, Step, dict]] = []
-        self.broken = self.dead = False
         self.die_at = None
 
     async def step(self, step, jobs):
@@ -105,19 +104,6 @@ class Shards:
                                             for e in step.entries if e.sample],
                                forward_ns=round(self.forward * 1e9), tokens=sum(e.num_tokens for e in step.entries),
                                compiled=self.compiled(step))
-
-    async def alive(self):
-        return not self.dead
-
-    async def health(self):
-        if self.dead:
-            raise ShardError("Health: UNAVAILABLE")
-
-    async def filter(self, ids):
-        pass
-
-    async def clear(self):
-        pass
 
     async def offload(self, step):
         pass
