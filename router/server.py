@@ -113,7 +113,7 @@ async def start_engine(s: Settings, shards):
     sizing = dict(max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_size=s.max_batch_size,
                   num_blocks=wanted, max_memory_fraction=s.max_memory_percent, max_total_tokens=s.max_total_tokens,
                   cpu_swap_bytes=swap_bytes)
-    pools = await shards.warmup(**sizing)
+    pools = await shards.warmup(**sizing, time_steps=s.prefill_step_ratio > 0)  # a replacement set needs none
     log.info("warmed up in %.1f s: pools sized%s", time.monotonic() - loaded,
              f", step sizes compiled in {pools.compile_seconds:.1f} s" if pools.compiled_sizes else "")
     total = check_capacity(s, pools.num_blocks)

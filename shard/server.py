@@ -54,11 +54,11 @@ class ShardService(pb_grpc.ShardServicer):
     @on_main_thread
     def Warmup(self, request, context):
         """Sizes the pools after one eager step at the largest size, and times steps for the router's cost model
-        (the first time); the step sizes compile here first where they must (CUDA graphs: their memory is then
+        when asked (a server's start, not a replacement set); the step sizes compile here first where they must (CUDA graphs: their memory is then
         counted), else in the background once the pools exist."""
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
-        if self.step_times is None:
+        if request.time_steps and self.step_times is None:
             self.step_times = calibration.time_steps(r, max(request.max_prefill_tokens, 1),
                                                      max(request.max_batch_size, 1))
         if not self.compiling.background:
@@ -85,7 +85,7 @@ class ShardService(pb_grpc.ShardServicer):
                                  num_swap_blocks=sizes.num_swap_blocks, compiled_sizes=self.compiling.sizes,
                                  compile_seconds=self.compiling.seconds,
                                  step_times=[pb.StepTime(decodes=d, chunk_start=s, chunk_tokens=n, seconds=t)
-                                             for d, s, n, t in self.step_times])
+                                             for d, s, n, t in self.step_times or []])
 
     @on_main_thread
     def _step(self, request, context):
