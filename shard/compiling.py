@@ -40,7 +40,6 @@ class Compiling:
         self.background = compiled is not None and not compiled.cuda and world == 1
         self.state = "off" if compiled is None else "pending"
         self.seconds = 0.0  # from the start of the compile until the graphs serve
-        self.done = threading.Event()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -77,7 +76,6 @@ class Compiling:
         self.state = "ready" if compiled else "failed"
         if compiled and self.background:
             log.info("compiled steps serve from now on (%.1f s after Warmup)", self.seconds)
-        self.done.set()
 
     def _on_main(self, fn) -> None:
         if self.main is not None and self.background:
