@@ -74,9 +74,9 @@ class Supervisor:
                 next_report += report_every
             time.sleep(interval)
 
-    def shards_up(self, sockets: list[str]) -> Callable[[], bool]:
-        """A probe that says each shard is up once (with the time since the launcher started), and whether all
-        are."""
+    def shards_up(self, sockets: list[str]) -> tuple[Callable[[], bool], dict[int, str]]:
+        """A probe that says each shard is up once (with the time since the launcher started) and whether all are,
+        and the ranks it still waits for."""
         pending = dict(enumerate(sockets))
 
         def all_healthy() -> bool:
@@ -85,8 +85,7 @@ class Supervisor:
                     del pending[rank]
                     log("launcher", f"shard {rank} is up ({self.elapsed()})")
             return not pending
-        all_healthy.pending = pending
-        return all_healthy
+        return all_healthy, pending
 
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.started:.1f} s since the launcher started"
@@ -101,9 +100,9 @@ class Supervisor:
             # the router starts beside the shards (its imports and tokenizer take seconds too) and waits for them
             shards = self.spawn_shards(shard_argvs)
             router = self.spawn("router", router_argv, self.router_env)
-            up = self.shards_up(sockets)
+            up, pending = self.shards_up(sockets)
             self.wait_until(lambda: up() and router_healthy(url),
-                            lambda: (", ".join(f"shard {rank}" for rank in up.pending) + " to load") if up.pending
+                            lambda: (", ".join(f"shard {rank}" for rank in pending) + " to load") if pending
                             else "the router to warm up the shards")
             log("launcher", f"ready: {url} ({self.elapsed()})")
             self.serve(shards, shard_argvs, sockets, max_restarts)
@@ -127,8 +126,8 @@ class Supervisor:
     def start_shards(self, shard_argvs: list[list[str]], sockets: list[str]) -> list[Child]:
         """A new set, once every shard of it is up."""
         shards = self.spawn_shards(shard_argvs)
-        up = self.shards_up(sockets)
-        self.wait_until(up, lambda: ", ".join(f"shard {rank}" for rank in up.pending) + " to load")
+        up, pending = self.shards_up(sockets)
+        self.wait_until(up, lambda: ", ".join(f"shard {rank}" for rank in pending) + " to load")
         return shards
 
     def serve(self, shards: list[Child], shard_argvs: list[list[str]], sockets: list[str], max_restarts: int):

@@ -123,10 +123,11 @@ async def start_engine(s: Settings, shards):
     budget = Budget(s.max_batch_prefill_tokens, total, s.max_batch_size, s.waiting_served_ratio,
                     s.max_waiting_tokens)
     trace = Trace(open(s.trace_file, "w") if s.trace_file else None)
-    trace.calibrate(pools.step_times)
+    step_times = [(t.decodes, t.chunk_start, t.chunk_tokens, t.seconds) for t in pools.step_times]
+    trace.calibration = step_times
     paced = pacer(s.prefill_step_ratio)
     if paced is not None:  # the cost model starts from the steps the shards timed, not from nothing
-        paced.calibrate(trace.calibration)
+        paced.calibrate(step_times)
         per_token = (paced.prompt_cost() or (0.0, 0.0))[0]
         log.info("step cost model from Warmup: decode-only steps of 1 / 64 requests %.1f / %.1f ms, %.2f ms a "
                  "prompt token", 1e3 * (paced.decode_step(1) or 0), 1e3 * (paced.decode_step(64) or 0),
@@ -144,7 +145,7 @@ async def start_engine(s: Settings, shards):
         num_window_blocks=kv.window.blocks.num_blocks if kv.window else 0, scheduler=s.scheduler,
         safety_margin=s.margin, prefill_step_ratio=s.prefill_step_ratio, prefix_caching=kv.prefix_caching,
         compiled_step_sizes=list(pools.compiled_sizes), compile_seconds=round(pools.compile_seconds, 1),
-        compile_state="ready" if pools.compiled_sizes else "off" if s.compile_sizes.strip() == "0" else "pending",
+        compile_state="ready" if pools.compiled_sizes else "pending",  # /info asks the shards until it is over
         max_stop_sequences=s.max_stop_sequences, max_top_n_tokens=s.max_top_n_tokens)
 
 

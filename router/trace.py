@@ -17,11 +17,8 @@ class Trace:
         self.finished: list[list[int]] = []
         self.took: Optional[float] = None
         self.steps = 0
-        self.calibration: list[list] = []  # Warmup's timed steps, which the pacer starts from: on the first line
-
-    def calibrate(self, step_times) -> None:
-        """The steps the shards timed at Warmup ([decodes, chunk start, chunk tokens, seconds] each)."""
-        self.calibration = [[t.decodes, t.chunk_start, t.chunk_tokens, t.seconds] for t in step_times]
+        self.calibration: list = []  # Warmup's timed steps (decodes, chunk start, chunk tokens, seconds) the pacer
+                                     # starts from: written on the first line
 
     def arrive(self, req: Request) -> None:
         if self.out:

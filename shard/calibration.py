@@ -36,7 +36,7 @@ def time_steps(runner: Runner, max_prefill_tokens: int, max_batch_size: int) -> 
     windowed = scratch.cache.window is not None
     timed = []
     for decodes, start, n in steps:
-        entries, next_block = [], 0
+        next_block = 0
 
         def entry(i: int, tokens: int, cached: int) -> Entry:
             nonlocal next_block

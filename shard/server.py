@@ -54,8 +54,8 @@ class ShardService(pb_grpc.ShardServicer):
     @on_main_thread
     def Warmup(self, request, context):
         """Sizes the pools after one eager step at the largest size, and times steps for the router's cost model
-        when asked (a server's start, not a replacement set); the step sizes compile here first where they must (CUDA graphs: their memory is then
-        counted), else in the background once the pools exist."""
+        when asked (a server's start, not a replacement set); the step sizes compile here first where they must
+        (CUDA graphs: their memory is then counted), else in the background once the pools exist."""
         r, m = self.runner, self.loaded
         r.warmup(max(request.max_prefill_tokens, 1))
         if request.time_steps and self.step_times is None:
