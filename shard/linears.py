@@ -24,6 +24,7 @@ Activations are never quantized, so a request's tokens do not depend on what sha
 CPU they enter the quantized GEMMs rounded to bf16, row by row: those GEMMs are fast in bf16 only).
 """
 import bisect
+import fcntl
 import hashlib
 import json
 import os
@@ -88,6 +89,7 @@ class Tuned(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])  # not -1: a step may keep no rows
 
 
+MEASURED_OUT = 16384  # output rows a plan is timed on at most (64 MiB at 1024 inputs: no cache holds it)
 TILE = 64  # rows an MKL-packed weight is laid out for: its packed GEMM takes exactly that many
 PROBES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts timed; more rows always take F.linear
 
@@ -115,7 +117,7 @@ def _product(way: str, rows: torch.Tensor, weight: torch.Tensor, packed) -> torc
 
 class Plan:
     """The way each row count takes (that of the nearest probe at or above it), timed once per weight shape and
-    machine and kept under $CB_CACHE (~5 s for SmolLM2's shapes, most of it the LM head)."""
+    machine and kept under $CB_CACHE (~2 s for SmolLM2's shapes, most of it the LM head)."""
 
     def __init__(self, ways: dict[int, str]):
         self.ways = ways
@@ -128,7 +130,9 @@ class Plan:
 
     @classmethod
     def measure(cls, out_features: int, in_features: int) -> "Plan":
-        weight = _transposed(torch.randn(out_features, in_features))
+        # A wider weight is timed on its first MEASURED_OUT rows: beyond any cache, a product's cost per output
+        # row is flat, so the ranking holds, and Gemma 3's 262k-row LM head is timed in 3 s rather than 43.
+        weight = _transposed(torch.randn(min(out_features, MEASURED_OUT), in_features))
         packed = _pack(weight.contiguous())
         ways = {}
         for n in PROBES:
@@ -151,16 +155,20 @@ def _fastest(call, repeats: int = 5) -> float:
 
 
 def plan_for(out_features: int, in_features: int) -> Plan:
-    key = f"{out_features}x{in_features}"
+    key = f"{min(out_features, MEASURED_OUT)}x{in_features}"
     if key not in _plans:
         path = _plan_file()
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        if key not in saved:
-            saved[key] = Plan.measure(out_features, in_features).ways
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(saved))
-            os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One process measures while the others wait for its file: tensor-parallel ranks load the same shapes at
+        # once, and timings taken on cores they share would be noise.
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            saved = json.loads(path.read_text()) if path.exists() else {}
+            if key not in saved:
+                saved[key] = Plan.measure(out_features, in_features).ways
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(saved))
+                os.replace(tmp, path)
         _plans[key] = Plan({int(n): way for n, way in saved[key].items()})
     return _plans[key]
 

@@ -60,6 +60,17 @@ def test_tuned_fp32_ways_equal_f_linear_and_the_timings_are_kept(tmp_path, monke
     assert linears.plan_for(384, 128).ways == measured
 
 
+def test_weights_wider_than_the_timed_rows_share_one_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("CB_CACHE", str(tmp_path))
+    monkeypatch.setattr(linears, "_plans", {})
+    monkeypatch.setattr(linears, "MEASURED_OUT", 256)
+    timed = []
+    real = linears.Plan.measure.__func__
+    monkeypatch.setattr(linears.Plan, "measure", classmethod(lambda cls, o, i: timed.append(o) or real(cls, o, i)))
+    assert linears.plan_for(512, 64) is linears.plan_for(4096, 64)
+    assert timed == [512] and linears.plan_for(128, 64) is not linears.plan_for(512, 64)
+
+
 def test_fp32_model_linears_are_tuned(tiny_llama):
     loaded = model_lib.load(str(tiny_llama), "float32", torch.device("cpu"), 0, 1)
     assert sum(isinstance(m, linears.Tuned) for m in loaded.model.modules()) == 3 * 4 + 1
