@@ -21,13 +21,14 @@ def serve(settings: Settings, model_dir: str, sockets: list[str]) -> None:
     import uvicorn
 
     from router.api.guards import Guards
-    from router.api.slow_clients import TimedH11Protocol
+    from router.api.slow_clients import timed_protocol
 
     key = api_key(settings)
     svc = service(settings, model_dir)
     app = http_app(settings, svc, sockets)
-    config = uvicorn.Config(Guards(app, key, settings.payload_limit), host=settings.hostname,
-                            port=settings.port, log_level="warning", http=TimedH11Protocol,
+    guarded = Guards(app, key, settings.payload_limit, settings.request_body_timeout)
+    config = uvicorn.Config(guarded, host=settings.hostname, port=settings.port, log_level="warning",
+                            http=timed_protocol(settings.request_head_timeout),
                             timeout_graceful_shutdown=STREAM_CLOSE_TIMEOUT)
     Server(config, svc, settings.graceful_timeout).run()
 

@@ -95,6 +95,11 @@ class Settings:
     api_key_file: Optional[str] = setting(None, "read --api-key from this file instead (its content, less "
                                           "surrounding whitespace; the router reads it at start-up)")
     payload_limit: int = setting(2_000_000, "largest request body, in bytes (413 beyond)", min=1)
+    request_head_timeout: float = setting(10.0, "seconds a connection may take to send a request's head (also "
+                                          "counted from the previous response on a kept-alive one); then it is "
+                                          "closed", min=0.1)
+    request_body_timeout: float = setting(30.0, "seconds a request's body may take to arrive after its head; "
+                                          "then 408", min=0.1)
     max_stop_sequences: int = setting(4, "stop sequences per request", min=0)
     max_top_n_tokens: int = setting(5, "alternatives per token (top_n_tokens, logprobs)", min=0)
     trace_file: Optional[str] = setting(None, "write every scheduling decision here (JSON lines, replayed by "

@@ -9,16 +9,16 @@ from typing import Optional
 from starlette.exceptions import HTTPException
 
 from router.api.errors import error_body, is_openai
-from router.api.slow_clients import BODY_TIMEOUT
 
 OPEN_PATHS = {"/health", "/metrics", "/info"}
 
 
 class Guards:
-    def __init__(self, app, api_key: Optional[str], payload_limit: int):
+    def __init__(self, app, api_key: Optional[str], payload_limit: int, body_timeout: float):
         self.app = app
         self.api_key = api_key
         self.payload_limit = payload_limit
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -33,10 +33,10 @@ class Guards:
         if length is not None and length.isdigit() and int(length) > self.payload_limit:
             return await _refuse(send, scope, 413, f"Payload too large: the limit is {self.payload_limit} bytes",
                                  "payload_too_large")
-        seen, whole, give_up = 0, False, time.monotonic() + BODY_TIMEOUT
+        seen, whole, give_up = 0, False, time.monotonic() + self.body_timeout
 
         async def limited_receive():
-            """The body, within the payload limit and BODY_TIMEOUT; after it, receive() as it is (it also
+            """The body, within the payload limit and the body timeout; after it, receive() as it is (it also
             reports disconnects while a response streams, which may take any time)."""
             nonlocal seen, whole
             if whole:
@@ -44,7 +44,7 @@ class Guards:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, give_up - time.monotonic()))
             except asyncio.TimeoutError:
-                raise BodyTooSlow() from None
+                raise BodyTooSlow(self.body_timeout) from None
             seen += len(message.get("body", b""))
             whole = not message.get("more_body", False)
             if seen > self.payload_limit:
@@ -55,8 +55,8 @@ class Guards:
 
 
 class BodyTooSlow(HTTPException):
-    def __init__(self):
-        super().__init__(408, f"Request timeout: the body did not arrive within {BODY_TIMEOUT:.0f} s")
+    def __init__(self, timeout: float):
+        super().__init__(408, f"Request timeout: the body did not arrive within {timeout:g} s")
 
 
 class PayloadTooLarge(HTTPException):

@@ -138,11 +138,15 @@ def reference(model_dir) -> Reference:
     return Reference(model_dir)
 
 
+HEAD_TIMEOUT, BODY_TIMEOUT = 3, 5  # s: the shared server's, shorter than the defaults so test_slow_clients waits less
+
+
 @pytest.fixture(scope="session")
 def server():
     """One shard, a small prefill budget so longer prompts are chunked, fp32 (the exact mode)."""
     s = Server("--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "16384",
-               "--max-input-tokens", "1024", "--max-total-tokens", "1536")
+               "--max-input-tokens", "1024", "--max-total-tokens", "1536",
+               "--request-head-timeout", str(HEAD_TIMEOUT), "--request-body-timeout", str(BODY_TIMEOUT))
     yield s
     s.stop()
 
