@@ -35,7 +35,7 @@ def alive(pid: int) -> bool:
 def test_sigterm_drains_then_exits_0():
     """While draining: 503 JSON for new work and /health; a short stream finishes; a long one is cut at
     --graceful-timeout with an error event; every process exits 0."""
-    s = Server("--max-batch-total-tokens", "4096", "--graceful-timeout", "10", "--served-model-name", "story-teller")
+    s = Server("--max-batch-total-tokens", "4096", "--graceful-timeout", "4", "--served-model-name", "story-teller")
     try:
         kids = children(s.proc.pid)
         assert any("-m router" in c for c in kids.values()) and any("-m shard" in c for c in kids.values())

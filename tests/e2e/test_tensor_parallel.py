@@ -17,15 +17,10 @@ def serve_all(server: Server, all_ids, max_new_tokens: int) -> list[list[int]]:
         return [[t["id"] for t in a["details"]["tokens"]] for a in answers]
 
 
-def test_three_shards_match_transformers(reference):
+def test_three_shards_match_transformers(tp3, reference):
     all_ids = prompts(reference.tokenizer)[::2]
-    s = Server("--num-shard", "3", "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "8192",
-               "--max-total-tokens", "1024")
-    try:
-        assert s.info()["num_shard"] == 3
-        served = serve_all(s, all_ids, 12)
-    finally:
-        assert s.stop() == 0
+    assert tp3.info()["num_shard"] == 3
+    served = serve_all(tp3, all_ids, 12)
     for ids, ours in zip(all_ids, served):
         reference.assert_same_greedy(ids, ours, 12)
 
