@@ -5,7 +5,8 @@ The model sees one ragged sequence (all scheduled tokens of all requests, batch 
 new keys and values are written into the cache at their slots; then each request attends to its own blocks.
 Requests are grouped in padded batches built once per step (`StepLayout`): prompt chunks (causal within the
 chunk, after everything cached before it), and decodes (one query each) in up to four groups of similar length. The linear layers never see
-padding; only these two attention calls do.
+padding; only these two attention calls do. On CPU the C kernels (paged_kernel.py) read both kinds in place through
+the block tables, unpadded, and these batches are the torch path where the kernels are off or decline.
 
 Hybrid models keep their sliding-window layers in a second pool (see kv_cache.py) with a per-request block
 table that starts at some block of the sequence rather than its first: each pool has its own `PoolStep` (slots
@@ -44,6 +45,15 @@ class Group:
             n = self.members
             self._kernel = (self.rows[:n, 0].contiguous(), self.block_tables[:n].contiguous(),
                             self.key_start[:n].contiguous(), self.kv_len[:n].contiguous())
+        return self._kernel
+
+    def chunk_args(self) -> tuple:
+        """Prompt chunks as paged_kernel.prefill takes them: each chunk's first row, query count, first query's
+        position, block table and key start (made once a step)."""
+        if self._kernel is None:
+            n = self.members
+            self._kernel = (self.rows[:n, 0].contiguous(), self.valid[:n].sum(1), self.query_pos[:n, 0].contiguous(),
+                            self.block_tables[:n].contiguous(), self.key_start[:n].contiguous())
         return self._kernel
 
     def mask(self, block_size: int, window: int | None) -> torch.Tensor:
@@ -96,7 +106,7 @@ class StepLayout:
     window: PoolStep | None  # hybrid models: the sliding-window layers' pool
     cache: list[tuple[bool, torch.Tensor, torch.Tensor]]  # per layer (in the window pool, k, v), see KVCache
     tokens: int  # the real tokens; rows after them pad the step to its bucket (layout.py)
-    kernel: bool = False  # decodes attend through paged_kernel (in place) rather than a gather
+    kernel: bool = False  # decodes and prompt chunks attend through paged_kernel (in place), not a gather
 
 
 _steps = threading.local()  # per thread: a shard compiles its step sizes on a scratch pool while it serves
@@ -135,12 +145,18 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
     in_place = (current.kernel and query.dtype == k_cache.dtype and query.dtype in paged_kernel.DTYPES
                 and query.stride(-1) == 1)
     for i, grp in enumerate(step.groups):
-        if in_place and grp.rows.shape[1] == 1:
+        if in_place:
             with scope("attention::attend"):
-                rows, tables, key_start, kv_len = grp.kernel_args()
-                if paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
-                                       flat.transpose(0, 1), scale):
-                    continue
+                if grp.rows.shape[1] == 1:
+                    rows, tables, key_start, kv_len = grp.kernel_args()
+                    done = paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
+                                               flat.transpose(0, 1), scale)
+                else:
+                    rows, count, pos, tables, key_start = grp.chunk_args()
+                    done = paged_kernel.prefill(query, rows, count, pos, k_cache, v_cache, tables, key_start, window,
+                                                flat.transpose(0, 1), scale)
+            if done:
+                continue
         with scope("attention::gather"):
             kg, vg = step.gather(i, k_cache), step.gather(i, v_cache)
         with scope("attention::attend"):

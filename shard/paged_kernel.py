@@ -1,5 +1,5 @@
-"""The CPU kernels in C: decode attention (kernels/paged_decode.c) and greedy sampling's reductions
-(kernels/greedy.c), built once per machine with the system's C compiler, loaded with ctypes, called with raw
+"""The CPU kernels in C: decode and prompt-chunk attention (kernels/paged_decode.c, kernels/paged_prefill.c) and
+greedy sampling's reductions (kernels/greedy.c), built once per machine with the system's C compiler, loaded with ctypes, called with raw
 pointers to the step's tensors.
 
 Decode attention reads each request's keys and values in place through its block table, once, where the torch
@@ -28,9 +28,9 @@ import torch
 from shard import cpu
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / "paged_decode.c", KERNELS / "greedy.c"]
-HEADERS = [KERNELS / "exp.h"]
-SYMBOLS = ("paged_decode", "greedy_rows")  # each returns int: 0 done, else declined
+SOURCES = [KERNELS / "paged_decode.c", KERNELS / "paged_prefill.c", KERNELS / "greedy.c"]
+HEADERS = [KERNELS / "exp.h", KERNELS / "paged.h"]
+SYMBOLS = ("paged_decode", "paged_prefill", "greedy_rows")  # each returns int: 0 done, else declined
 DTYPES = (torch.float32, torch.bfloat16)  # the caches it reads
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 COMPILE_TIMEOUT = 60.0  # s; a build takes ~1 s, though every rank of a set builds at once, maybe on a busy machine
@@ -145,6 +145,22 @@ def decode(q: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _ptr(kv_len), ctypes.c_long(window or 0), _ptr(out), ctypes.c_long(out.stride(0)),
         ctypes.c_long(out.stride(1)), ctypes.c_long(rows.shape[0]), ctypes.c_long(hkv),
         ctypes.c_long(heads // hkv), ctypes.c_long(dim), ctypes.c_float(scale),
+        ctypes.c_int(k_cache.dtype == torch.bfloat16), ctypes.c_int(torch.get_num_threads())) == 0
+
+
+def prefill(q: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, tables: torch.Tensor, key_start: torch.Tensor, window: int | None,
+            out: torch.Tensor, scale: float) -> bool:
+    """Prompt chunks: chunk b's `count[b]` queries sit at rows rows[b].. of q and out and at positions pos[b]..;
+    each attends causally to its keys (and inside the window). Layouts as in `decode`; False when the kernel
+    declines (the caller takes the torch path)."""
+    hkv, nb, bs, dim = k_cache.shape
+    return _lib.paged_prefill(
+        _ptr(q), ctypes.c_long(q.stride(0)), ctypes.c_long(q.stride(1)), _ptr(rows), _ptr(count), _ptr(pos),
+        _ptr(k_cache), _ptr(v_cache), ctypes.c_long(nb), ctypes.c_long(bs), _ptr(tables),
+        ctypes.c_long(tables.shape[1]), _ptr(key_start), ctypes.c_long(window or 0), _ptr(out),
+        ctypes.c_long(out.stride(0)), ctypes.c_long(out.stride(1)), ctypes.c_long(rows.shape[0]), ctypes.c_long(hkv),
+        ctypes.c_long(q.shape[0] // hkv), ctypes.c_long(dim), ctypes.c_float(scale),
         ctypes.c_int(k_cache.dtype == torch.bfloat16), ctypes.c_int(torch.get_num_threads())) == 0
 
 

@@ -49,7 +49,7 @@ class Runner:
         self.world = world
         self.cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
-        self.kernel = paged_kernel.available(device)  # decodes read the cache in place: one group, no padding
+        self.kernel = paged_kernel.available(device)  # attention reads the cache in place: one decode group, no padding
         self.compiled = compiled.for_model(loaded.model, device, compile_sizes, world)  # None: every step eager
         # Steps run at their own size where no kernel is built per shape: float32 on CPU is MKL's GEMMs and
         # inductor's symbolic graph. bf16 (oneDNN primitives, one per shape) and quantized kernels are padded to

@@ -1,6 +1,6 @@
-"""The decode attention kernel (shard/kernels/paged_decode.c) reads the cache in place through the block tables;
-it must give what the torch path (gather the blocks, batched matmuls, float32 softmax) gives, and a Runner
-using it must serve the same greedy tokens."""
+"""The attention kernels (shard/kernels/paged_decode.c, paged_prefill.c) read the cache in place through the block
+tables; they must give what the torch paths (gather the blocks, then batched matmuls and a float32 softmax for
+decodes, SDPA for prompt chunks) give, and a Runner using them must serve the same greedy tokens."""
 import pytest
 import torch
 
@@ -57,11 +57,50 @@ def test_kernel_equals_gather_and_matmul(dtype, tol, hkv, group, dim, window, ke
     assert (out[:, others] == 7.0).all(), "rows of no request are left alone"
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hkv, group, dim, window, key_start", [(3, 3, 64, None, 0), (1, 4, 256, 96, 32),
+                                                                 (2, 8, 128, None, 0), (2, 5, 32, 40, 0),
+                                                                 (1, 1, 16, None, 16)])
+@pytest.mark.parametrize("chunks", [[(0, 37)], [(0, 5), (100, 64), (17, 130)], [(300, 50), (0, 300), (2, 1)]])
+def test_prefill_kernel_equals_sdpa_over_the_gathered_blocks(dtype, tol, hkv, group, dim, window, key_start, chunks):
+    """Chunks (cached tokens before them, tokens) of every size, after a cached prefix or not, a window pool's
+    tables that start at key_start; the queries of several chunks (and of no chunk) in one ragged step."""
+    torch.manual_seed(0)
+    bs = 16
+    widths = [-(-(c + n) // bs) for c, n in chunks]
+    width, blocks = max(widths), sum(widths) + 2
+    kc, vc = (torch.randn(hkv, blocks, bs, dim).to(dtype) for _ in range(2))
+    order = torch.randperm(blocks).tolist()
+    tables = torch.tensor([order[sum(widths[:b]):sum(widths[:b + 1])] + [0] * (width - widths[b])
+                           for b in range(len(chunks))])
+    starts = torch.full((len(chunks),), key_start)
+    pos = torch.tensor([key_start + c for c, _ in chunks])
+    count = torch.tensor([n for _, n in chunks])
+    rows = torch.cumsum(torch.tensor([1] + [n for _, n in chunks[:-1]]), 0)  # row 0 and the last two: no chunk's
+    tokens = 3 + int(count.sum())
+    q = torch.randn(tokens, hkv * group, dim).to(dtype).transpose(0, 1)
+    out = torch.full((tokens, hkv * group, dim), 7.0, dtype=dtype).transpose(0, 1)
+    assert paged_kernel.prefill(q, rows, count, pos, kc, vc, tables, starts, window, out, dim ** -0.5)
+    for b, (c, n) in enumerate(chunks):
+        keys = key_start + torch.arange(width * bs)
+        qpos = (pos[b] + torch.arange(n))[:, None]
+        visible = (keys <= qpos) & (keys > qpos - window if window else True)
+        kg, vg = (cache[:, tables[b]].reshape(hkv, 1, width * bs, dim) for cache in (kc, vc))
+        qb = q[:, rows[b]:rows[b] + n].reshape(hkv, group, 1, n, dim)
+        ref = attention._chunks(qb, kg, vg, visible[None], dim ** -0.5)[:, :, 0]  # [Hkv, G, n, D]
+        got = out[:, rows[b]:rows[b] + n].reshape(hkv, group, n, dim)
+        assert (got.float() - ref.float()).abs().max() < tol, (b, c, n)
+    assert (out[:, [0, tokens - 2, tokens - 1]] == 7.0).all(), "rows of no chunk are left alone"
+
+
 def test_shapes_beyond_the_kernel_are_declined():
     kc = torch.zeros(1, 2, 16, 8)
     one = torch.zeros(1, dtype=torch.long)
     assert not paged_kernel.decode(torch.zeros(17, 1, 8), one, kc, kc, torch.zeros(1, 1, dtype=torch.long), one,
                                    one + 1, None, torch.zeros(17, 1, 8), 1.0), "17 query heads per KV head"
+    two = one + 2
+    assert not paged_kernel.prefill(torch.zeros(1, 2, 8), one, two, one, kc, kc, torch.zeros(1, 1, dtype=torch.long),
+                                    one, None, torch.zeros(1, 2, 8), 1.0), "a head size not a multiple of 16"
 
 
 def test_runner_with_the_kernel_serves_the_same_tokens(tiny_llama, monkeypatch):
@@ -69,14 +108,15 @@ def test_runner_with_the_kernel_serves_the_same_tokens(tiny_llama, monkeypatch):
     prompts = {i: [(5 + 11 * i + 3 * k) % 500 for k in range(9 + 23 * i)] for i in range(5)}
     outs = []
     calls = []
-    decode = paged_kernel.decode
-    monkeypatch.setattr(paged_kernel, "decode", lambda *a: calls.append(1) or decode(*a))
+    for name in ("decode", "prefill"):
+        monkeypatch.setattr(paged_kernel, name, lambda *a, kernel=getattr(paged_kernel, name), name=name:
+                            calls.append(name) or kernel(*a))
     for kernel in (True, False):
         r = Runner(loaded, CPU, 16, 0, 1)
         assert r.kernel
         r.kernel = kernel
         r.allocate(128)
         outs.append(greedy(r, prompts, 40))
-        assert bool(calls) == kernel, "the kernel runs exactly when the runner says so"
+        assert set(calls) == ({"decode", "prefill"} if kernel else set()), "the kernels run when the runner says so"
         calls.clear()
     assert outs[0] == outs[1]

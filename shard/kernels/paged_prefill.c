@@ -1,0 +1,228 @@
+/* Prompt-chunk attention read straight through the block tables: each chunk's queries against the keys before
+ * them (and their own, causally), the keys and values read in place from the paged cache. The torch path gathers
+ * the chunks' blocks into a padded batch in every layer and runs SDPA over it, padding every chunk to the
+ * longest; SDPA's CPU kernel reached 70-80 GFLOP/s of the causal work here at head size 64.
+ *
+ * A work item is up to TILE_ROWS (query, head) rows: a run of one chunk's queries times the query heads of one kv
+ * head. Its keys and values are widened to float32 once (keys transposed, so that eight rows score sixteen keys
+ * with one vector load and eight broadcast FMAs per dimension), scores and softmax are float32, and each row
+ * stops at its own last key (and starts at its window's first). Caches, queries and outputs are laid out as in
+ * paged_decode.c. AVX-512 only: elsewhere it declines and the torch path runs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp.h"
+#include "paged.h"
+
+#define TILE_ROWS 48
+#define MAX_DIM 256
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+typedef struct {
+    float *qf;    /* [TILE_ROWS][dim] the rows' queries, scaled */
+    float *s;     /* [TILE_ROWS][stride] scores, then probabilities */
+} Buffers;
+
+/* One chunk's keys for one kv head from its first visible one: transposed ([dim][stride]) and values ([stride][dim]),
+ * float32, read once through the block table; the keys past the last zero up to stride. */
+static void widen(const char *k_cache, const char *v_cache, long num_blocks, long block_size, const int64_t *table,
+                  long h, long key_start, long lo, long n, long stride, long dim, int bf16, float *kt, float *vf) {
+    const long esize = bf16 ? 2 : 4, C = dim / 16, head_base = h * num_blocks * block_size;
+    for (long j = 0, take; j < n; j += take) {
+        const char *kb = block_run(k_cache, block_size, table, head_base, key_start, lo, j, n, dim * esize, &take);
+        const char *vb = block_run(v_cache, block_size, table, head_base, key_start, lo, j, n, dim * esize, &take);
+        for (long t = 0; t < take; t++)
+            for (long c = 0; c < C; c++) {
+                float kv[16];
+                _mm512_storeu_ps(kv, load16(kb, t * dim + 16 * c, bf16));
+                for (int e = 0; e < 16; e++) kt[(16 * c + e) * stride + j + t] = kv[e];
+                _mm512_storeu_ps(vf + (j + t) * dim + 16 * c, load16(vb, t * dim + 16 * c, bf16));
+            }
+    }
+    for (long d = 0; d < dim; d++)
+        for (long j = n; j < stride; j++) kt[d * stride + j] = 0.0f;
+}
+
+/* Scores of eight rows against keys [0, n) (n a multiple of 16 in kt); a row pointer repeated for fewer rows. */
+static inline __attribute__((always_inline)) void score8(const float *const *q, const float *kt, long stride,
+                                                         long n, long dim, float *const *out) {
+    for (long j = 0; j < n; j += 16) {
+        __m512 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+        for (long d = 0; d < dim; d++) {
+            __m512 k = _mm512_loadu_ps(kt + d * stride + j);
+            for (int r = 0; r < 8; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, a[r]);
+        }
+        for (int r = 0; r < 8; r++) _mm512_storeu_ps(out[r] + j, a[r]);
+    }
+}
+
+/* acc rows (RB of them, C vectors each) = sum over keys [lo, hi) of p[r][j] * v[j]. */
+static inline __attribute__((always_inline)) void weigh(const float *const *p, const float *vf, long lo, long hi,
+                                                        const long C, const long RB, float *const *acc) {
+    __m512 a[24];
+    for (long x = 0; x < RB * C; x++) a[x] = _mm512_setzero_ps();
+    for (long j = lo; j < hi; j++) {
+        const float *v = vf + j * C * 16;
+        for (long c = 0; c < C; c++) {
+            __m512 vv = _mm512_loadu_ps(v + 16 * c);
+            for (long r = 0; r < RB; r++) a[r * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, a[r * C + c]);
+        }
+    }
+    for (long r = 0; r < RB; r++)
+        for (long c = 0; c < C; c++) _mm512_storeu_ps(acc[r] + 16 * c, a[r * C + c]);
+}
+
+/* One work item: queries [i0, i0 + nq) of a chunk whose first query sits at position pos0 and row row0, for the
+ * `group` query heads of kv head h, against that head's widened keys kt/vf (from position lo0, `stride` of them).
+ * Row r is query r / group, head r % group. */
+static void tile(const char *q, long q_sh, long q_st, long row0, long pos0, long i0, long nq, long h, long group,
+                 long dim, const float *kt_all, const float *vf_all, long lo0, long stride, long window, char *out,
+                 long o_sh, long o_st, float scale, int bf16, Buffers *buf) {
+    const long esize = bf16 ? 2 : 4, C = dim / 16, R = nq * group;
+    const long first_pos = pos0 + i0, last_pos = first_pos + nq - 1;
+    long lo = lo0;
+    if (window > 0 && first_pos - window + 1 > lo) lo = first_pos - window + 1;
+    const long n = last_pos + 1 - lo, n16 = (n + 15) & ~15L;
+    const float *kt = kt_all + (lo - lo0), *vf = vf_all + (lo - lo0) * dim;
+    for (long r = 0; r < R; r++) {
+        const char *src = q + ((h * group + r % group) * q_sh + (row0 + i0 + r / group) * q_st) * esize;
+        for (long d = 0; d < dim; d++)
+            buf->qf[r * dim + d] = (bf16 ? from_bf16(((const uint16_t *)src)[d]) : ((const float *)src)[d]) * scale;
+    }
+    /* scores, eight rows at a time */
+    for (long r0 = 0; r0 < R; r0 += 8) {
+        const float *qs[8];
+        float *ss[8];
+        for (int r = 0; r < 8; r++) {
+            long rr = r0 + r < R ? r0 + r : r0;  /* past the last row: row r0 again, written to itself */
+            qs[r] = buf->qf + rr * dim;
+            ss[r] = buf->s + rr * n16;
+        }
+        score8(qs, kt, stride, n16, dim, ss);
+    }
+    /* each row's softmax over its own keys [from, to): causal, and inside the window */
+    float inv[TILE_ROWS];
+    long from[TILE_ROWS], to[TILE_ROWS];
+    for (long r = 0; r < R; r++) {
+        long pos = first_pos + r / group;
+        to[r] = pos + 1 - lo;
+        from[r] = window > 0 && pos - window + 1 - lo > 0 ? pos - window + 1 - lo : 0;
+        float *sr = buf->s + r * n16;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (long j = from[r]; j < to[r]; j += 16) {
+            __mmask16 live = to[r] - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (to[r] - j)) - 1);
+            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, sr + j));
+        }
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sum = _mm512_setzero_ps();
+        for (long j = from[r]; j < to[r]; j += 16) {
+            __mmask16 live = to[r] - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (to[r] - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), m)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(sr + j, live, e);
+        }
+        inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        for (long j = 0; j < from[r]; j++) sr[j] = 0.0f;
+        for (long j = to[r]; j < n; j++) sr[j] = 0.0f;
+    }
+    /* values, RB rows at a time (as many as 24 accumulators hold), over the keys any of them sees */
+    const long RB = C == 4 ? 6 : (24 / C > 0 ? 24 / C : 1);
+    float acc[TILE_ROWS][MAX_DIM];
+    for (long r0 = 0; r0 < R; r0 += RB) {
+        long rows = R - r0 < RB ? R - r0 : RB, klo = from[r0], khi = to[r0];
+        const float *ps[24];
+        float *as[24];
+        for (long r = 0; r < RB; r++) {
+            long rr = r < rows ? r0 + r : r0;
+            ps[r] = buf->s + rr * n16;
+            as[r] = acc[rr];
+            klo = from[rr] < klo ? from[rr] : klo;
+            khi = to[rr] > khi ? to[rr] : khi;
+        }
+        if (C == 4 && rows == 6)
+            weigh(ps, vf, klo, khi, 4, 6, as);
+        else
+            for (long r = 0; r < rows; r++) weigh(ps + r, vf, klo, khi, C, 1, as + r);
+    }
+    for (long r = 0; r < R; r++) {
+        char *dst = out + ((h * group + r % group) * o_sh + (row0 + i0 + r / group) * o_st) * esize;
+        for (long d = 0; d < dim; d++) {
+            float x = acc[r][d] * inv[r];
+            if (bf16) ((uint16_t *)dst)[d] = to_bf16(x);
+            else ((float *)dst)[d] = x;
+        }
+    }
+}
+#endif
+
+/* Returns 0, or -1 when the kernel declines (no AVX-512, a head size it does not take, no memory): the caller then
+ * takes the torch path. Per chunk b: its first query's row `rows[b]`, its `count[b]` queries from position pos[b],
+ * its block table, and its first key's position key_start[b] (0 but in a sliding-window pool). */
+int paged_prefill(const void *q, long q_sh, long q_st, const int64_t *rows, const int64_t *count, const int64_t *pos,
+                  const void *k_cache, const void *v_cache, long num_blocks, long block_size, const int64_t *tables,
+                  long table_width, const int64_t *key_start, long window, void *out, long o_sh, long o_st,
+                  long batch, long kv_heads, long group, long dim, float scale, int bf16, int threads) {
+#if defined(__AVX512F__)
+    if (dim % 16 || dim > MAX_DIM || group > TILE_ROWS || 24 / (dim / 16) < 1) return -1;
+    const long per = TILE_ROWS / group;  /* queries a work item takes */
+    long *first = malloc(sizeof(long) * (size_t)(3 * batch + 1));  /* work items before chunk b; lo, offset */
+    if (!first) return -1;
+    long *lo = first + batch + 1, *offset = lo + batch, total = 0, most = 16;
+    first[0] = 0;
+    for (long b = 0; b < batch; b++) {
+        first[b + 1] = first[b] + kv_heads * ((count[b] + per - 1) / per);
+        lo[b] = window > 0 && pos[b] - window + 1 > key_start[b] ? pos[b] - window + 1 : key_start[b];
+        offset[b] = total;  /* floats before chunk b's kv head 0 in the widened keys (as many in the values) */
+        long stride = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16;
+        total += kv_heads * stride * dim;
+        most = stride > most ? stride : most;
+    }
+    float *kt = malloc(sizeof(float) * (size_t)total), *vf = malloc(sizeof(float) * (size_t)total);
+    int failed = !kt || !vf;
+#pragma omp parallel num_threads(threads) if (!failed)
+    {
+        Buffers buf = {malloc(sizeof(float) * TILE_ROWS * dim), malloc(sizeof(float) * TILE_ROWS * most)};
+        int ok = !failed && buf.qf && buf.s;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < batch * kv_heads; w++) {
+            long b = w / kv_heads, h = w % kv_heads;
+            long stride = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16, at = offset[b] + h * stride * dim;
+            if (kt && vf)
+                widen((const char *)k_cache, (const char *)v_cache, num_blocks, block_size, tables + b * table_width,
+                      h, key_start[b], lo[b], pos[b] + count[b] - lo[b], stride, dim, bf16, kt + at, vf + at);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < first[batch]; w++) {
+            if (!ok) continue;
+            long b = 0;
+            while (first[b + 1] <= w) b++;
+            long k = w - first[b], tiles = (count[b] + per - 1) / per, h = k / tiles, t = k % tiles;
+            long i0 = t * per, nq = count[b] - i0 < per ? count[b] - i0 : per;
+            long stride = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16, at = offset[b] + h * stride * dim;
+            tile((const char *)q, q_sh, q_st, rows[b], pos[b], i0, nq, h, group, dim, kt + at, vf + at, lo[b],
+                 stride, window, (char *)out, o_sh, o_st, scale, bf16, &buf);
+        }
+        free(buf.qf);
+        free(buf.s);
+    }
+    free(kt);
+    free(vf);
+    free(first);
+    return failed ? -1 : 0;
+#else
+    (void)q; (void)q_sh; (void)q_st; (void)rows; (void)count; (void)pos; (void)k_cache; (void)v_cache;
+    (void)num_blocks; (void)block_size; (void)tables; (void)table_width; (void)key_start; (void)window; (void)out;
+    (void)o_sh; (void)o_st; (void)batch; (void)kv_heads; (void)group; (void)dim; (void)scale; (void)bf16;
+    (void)threads;
+    return -1;
+#endif
+}
