@@ -129,10 +129,10 @@ async def start_engine(s: Settings, shards):
     paced = pacer(s.prefill_step_ratio)
     if paced is not None:  # the cost model starts from the steps the shards timed, not from nothing
         paced.calibrate(step_times)
-        per_token = (paced.prompt_cost() or (0.0, 0.0))[0]
-        log.info("step cost model from Warmup: decode-only steps of 1 / 64 requests %.1f / %.1f ms, %.2f ms a "
-                 "prompt token", 1e3 * (paced.decode_step(1) or 0), 1e3 * (paced.decode_step(64) or 0),
-                 1e3 * per_token)
+        fixed, per_token, _ = paced.prompt_cost() or (0.0, 0.0, 0.0)
+        log.info("step cost model from Warmup: decode-only steps of 1 / 64 requests %.1f / %.1f ms; a prompt chunk "
+                 "adds %.1f ms and %.2f ms a token", 1e3 * (paced.decode_step(1) or 0),
+                 1e3 * (paced.decode_step(64) or 0), 1e3 * fixed, 1e3 * per_token)
     engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, paced), trace,
                     Recovery(shards, sizing, pools))
     return engine, Info(

@@ -33,13 +33,27 @@ def test_the_pacer_learns_the_machine():
     for d, start, n in ((8, 0, 100), (4, 300, 40), (12, 900, 300), (8, 1500, 60)):
         pacer.observe(d, [(start, n)], alone(d) + PER_TOKEN * n + PER_KEY * keys_read(start, n))
     assert pacer.decode_step(10) == pytest.approx(alone(10))
-    assert pacer.prompt_cost() == pytest.approx((PER_TOKEN, PER_KEY))
+    assert pacer.prompt_cost() == pytest.approx((0.0, PER_TOKEN, PER_KEY))
     for start in (0, 500, 1500):
         n = pacer.prompt_tokens(10, start)
         added = lambda k: PER_TOKEN * k + PER_KEY * keys_read(start, k)  # noqa: E731
         assert added(n) <= alone(10) + 1e-12 < added(n + 1)  # ratio 2: at most one more decode-only step
     assert pacer.prompt_tokens(10, 1500) < pacer.prompt_tokens(10, 0), "late chunks of a long prompt cost more"
     assert pacer.prompt_tokens(0) is None  # nothing decodes: nobody to hold up
+
+
+def test_what_any_prompt_chunk_costs_a_step_is_learned_apart():
+    """A chunk costs its step something whatever its size (on CPU such a step leaves the compiled sizes): fitted
+    apart from its tokens, small chunks are not taken as nearly free."""
+    fixed, pacer = 0.01, Pacer(1.7)
+    for d in (1, 16, 64):  # what Warmup times (shard/calibration.py), then one served step
+        pacer.observe(d, [], alone(d))
+    for d, start, n in ((16, 0, 64), (16, 0, 512), (16, 512, 64), (8, 100, 30)):
+        pacer.observe(d, [(start, n)], alone(d) + fixed + PER_TOKEN * n + PER_KEY * keys_read(start, n))
+    assert pacer.prompt_cost() == pytest.approx((fixed, PER_TOKEN, PER_KEY))
+    n = pacer.prompt_tokens(8)
+    added = lambda k: fixed + PER_TOKEN * k + PER_KEY * keys_read(0, k)  # noqa: E731
+    assert added(n) <= 0.7 * alone(8) + 1e-12 < added(n + 1)
 
 
 def test_a_slow_machine_still_moves_prompts_on():
@@ -75,7 +89,7 @@ def test_steps_beside_decodes_stay_within_the_ratio(ratio):
         if step.prefill_tokens:
             sizes.append(step.prefill_tokens)
             ratios.append(fake_cost(step) / alone(step.decodes))
-    assert sum(sizes) == 2000
+    assert sum(sizes) in (1999, 2000)  # a last chunk of one token goes as a decode (Request.is_decoding)
     learned = [r for r, n in zip(ratios[3:-1], sizes[3:-1]) if n > 16]  # past the first chunks, before the
     assert learned and max(learned) <= ratio + 1e-9                      # last, above the 16-token minimum
     assert min(learned) >= ratio - 0.1, "the chunk should fill the target (to a token), not undershoot it"
@@ -116,7 +130,7 @@ def test_warmup_steps_give_the_model_before_any_request():
     steps of 1, 16 and 64 decodes (and chunks beside 16) make it right from the start."""
     pacer = calibrated()
     assert pacer.decode_step(64) == pytest.approx(alone(64))
-    assert pacer.prompt_cost() == pytest.approx((PER_TOKEN, PER_KEY))
+    assert pacer.prompt_cost() == pytest.approx((0.0, PER_TOKEN, PER_KEY))
     for _ in range(20):  # a lone request's steps do not undo it
         pacer.observe(1, [], alone(1))
     assert pacer.decode_step(64) == pytest.approx(alone(64))
