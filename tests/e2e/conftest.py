@@ -153,17 +153,6 @@ def server():
     s.stop()
 
 
-@pytest.fixture(scope="session")
-def tp3():
-    """SmolLM2 (9 heads, 3 KV heads) over three shards, the deadline flags at their defaults (--shard-timeout 60),
-    so a hang is found by the router's Health probes. test_faults kills and stops its shards; test_tensor_parallel
-    compares its tokens with transformers' (on whichever set serves by then)."""
-    s = Server("--num-shard", "3", "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "8192",
-               "--max-total-tokens", "1024")
-    yield s
-    assert s.stop() == 0, s.logs()
-
-
 def metric(url: str, name: str) -> float:
     """Reads one sample from /metrics with prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families

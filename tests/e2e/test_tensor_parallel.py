@@ -1,6 +1,5 @@
-"""Tensor parallelism: the same tokens as one shard and as transformers' generate.
-
-SmolLM2 (9 heads, 3 KV heads) over 3 shards; a small model built from a config (4 heads, 2 KV heads) over 2.
+"""Tensor parallelism: the same tokens as one shard and as transformers' generate, on a small model built from a
+config (4 heads, 2 KV heads) over 2 shards. SmolLM2 over 3 shards is test_faults.py's server.
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,14 +14,6 @@ def serve_all(server: Server, all_ids, max_new_tokens: int) -> list[list[int]]:
     with ThreadPoolExecutor(len(all_ids)) as pool:
         answers = pool.map(lambda ids: server.generate(ids, max_new_tokens=max_new_tokens, details=True), all_ids)
         return [[t["id"] for t in a["details"]["tokens"]] for a in answers]
-
-
-def test_three_shards_match_transformers(tp3, reference):
-    all_ids = prompts(reference.tokenizer)[::2]
-    assert tp3.info()["num_shard"] == 3
-    served = serve_all(tp3, all_ids, 12)
-    for ids, ours in zip(all_ids, served):
-        reference.assert_same_greedy(ids, ours, 12)
 
 
 @pytest.fixture(scope="module")
