@@ -36,7 +36,7 @@ class Group:
     key_start: torch.Tensor    # [B] position of the first key in the block table (0 but in the window pool)
     members: int               # the real requests: the first `members` of B (decode groups are padded, layout.py)
     dense: int | None = None   # the first row, when the group is one query each and its rows are consecutive
-    _kernel: tuple | None = None
+    _kernel: tuple | None = None  # kernel_args or chunk_args, whichever kind the group is
 
     def kernel_args(self) -> tuple:
         """The real members' rows, block tables, key starts and lengths as paged_kernel.decode takes them (made

@@ -130,24 +130,27 @@ static void tile(const char *q, long q_sh, long q_st, long row0, long pos0, long
         for (long j = 0; j < from[r]; j++) sr[j] = 0.0f;
         for (long j = to[r]; j < n; j++) sr[j] = 0.0f;
     }
-    /* values, RB rows at a time (as many as 24 accumulators hold), over the keys any of them sees */
-    const long RB = C == 4 ? 6 : (24 / C > 0 ? 24 / C : 1);
+    /* values: for head size 64 six rows at a time (24 accumulators) over the keys any of them sees, else (and the
+     * rows left over) one row at a time over its own keys */
     float acc[TILE_ROWS][MAX_DIM];
-    for (long r0 = 0; r0 < R; r0 += RB) {
-        long rows = R - r0 < RB ? R - r0 : RB, klo = from[r0], khi = to[r0];
-        const float *ps[24];
-        float *as[24];
-        for (long r = 0; r < RB; r++) {
-            long rr = r < rows ? r0 + r : r0;
-            ps[r] = buf->s + rr * n16;
-            as[r] = acc[rr];
-            klo = from[rr] < klo ? from[rr] : klo;
-            khi = to[rr] > khi ? to[rr] : khi;
-        }
-        if (C == 4 && rows == 6)
+    long r0 = 0;
+    if (C == 4)
+        for (; r0 + 6 <= R; r0 += 6) {
+            const float *ps[6];
+            float *as[6];
+            long klo = from[r0], khi = to[r0];
+            for (long r = 0; r < 6; r++) {
+                ps[r] = buf->s + (r0 + r) * n16;
+                as[r] = acc[r0 + r];
+                klo = from[r0 + r] < klo ? from[r0 + r] : klo;
+                khi = to[r0 + r] > khi ? to[r0 + r] : khi;
+            }
             weigh(ps, vf, klo, khi, 4, 6, as);
-        else
-            for (long r = 0; r < rows; r++) weigh(ps + r, vf, klo, khi, C, 1, as + r);
+        }
+    for (; r0 < R; r0++) {
+        const float *p = buf->s + r0 * n16;
+        float *a = acc[r0];
+        weigh(&p, vf, from[r0], to[r0], C, 1, &a);
     }
     for (long r = 0; r < R; r++) {
         char *dst = out + ((h * group + r % group) * o_sh + (row0 + i0 + r / group) * o_st) * esize;
@@ -168,19 +171,20 @@ int paged_prefill(const void *q, long q_sh, long q_st, const int64_t *rows, cons
                   long table_width, const int64_t *key_start, long window, void *out, long o_sh, long o_st,
                   long batch, long kv_heads, long group, long dim, float scale, int bf16, int threads) {
 #if defined(__AVX512F__)
-    if (dim % 16 || dim > MAX_DIM || group > TILE_ROWS || 24 / (dim / 16) < 1) return -1;
+    if (dim % 16 || dim > MAX_DIM || group > TILE_ROWS) return -1;
     const long per = TILE_ROWS / group;  /* queries a work item takes */
-    long *first = malloc(sizeof(long) * (size_t)(3 * batch + 1));  /* work items before chunk b; lo, offset */
+    /* per chunk b: work items before it, its first visible key, its widened keys' row width and where they start */
+    long *first = malloc(sizeof(long) * (size_t)(4 * batch + 1));
     if (!first) return -1;
-    long *lo = first + batch + 1, *offset = lo + batch, total = 0, most = 16;
+    long *lo = first + batch + 1, *width = lo + batch, *offset = width + batch, total = 0, most = 16;
     first[0] = 0;
     for (long b = 0; b < batch; b++) {
         first[b + 1] = first[b] + kv_heads * ((count[b] + per - 1) / per);
         lo[b] = window > 0 && pos[b] - window + 1 > key_start[b] ? pos[b] - window + 1 : key_start[b];
+        width[b] = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16;
         offset[b] = total;  /* floats before chunk b's kv head 0 in the widened keys (as many in the values) */
-        long stride = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16;
-        total += kv_heads * stride * dim;
-        most = stride > most ? stride : most;
+        total += kv_heads * width[b] * dim;
+        most = width[b] > most ? width[b] : most;
     }
     float *kt = malloc(sizeof(float) * (size_t)total), *vf = malloc(sizeof(float) * (size_t)total);
     int failed = !kt || !vf;
@@ -195,10 +199,10 @@ int paged_prefill(const void *q, long q_sh, long q_st, const int64_t *rows, cons
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < batch * kv_heads; w++) {
             long b = w / kv_heads, h = w % kv_heads;
-            long stride = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16, at = offset[b] + h * stride * dim;
+            long at = offset[b] + h * width[b] * dim;
             if (kt && vf)
                 widen((const char *)k_cache, (const char *)v_cache, num_blocks, block_size, tables + b * table_width,
-                      h, key_start[b], lo[b], pos[b] + count[b] - lo[b], stride, dim, bf16, kt + at, vf + at);
+                      h, key_start[b], lo[b], pos[b] + count[b] - lo[b], width[b], dim, bf16, kt + at, vf + at);
         }
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < first[batch]; w++) {
@@ -207,9 +211,9 @@ int paged_prefill(const void *q, long q_sh, long q_st, const int64_t *rows, cons
             while (first[b + 1] <= w) b++;
             long k = w - first[b], tiles = (count[b] + per - 1) / per, h = k / tiles, t = k % tiles;
             long i0 = t * per, nq = count[b] - i0 < per ? count[b] - i0 : per;
-            long stride = ((pos[b] + count[b] - lo[b] + 15) & ~15L) + 16, at = offset[b] + h * stride * dim;
+            long at = offset[b] + h * width[b] * dim;
             tile((const char *)q, q_sh, q_st, rows[b], pos[b], i0, nq, h, group, dim, kt + at, vf + at, lo[b],
-                 stride, window, (char *)out, o_sh, o_st, scale, bf16, &buf);
+                 width[b], window, (char *)out, o_sh, o_st, scale, bf16, &buf);
         }
         free(buf.qf);
         free(buf.s);
