@@ -39,14 +39,22 @@ class _Fit:
     def __init__(self, features: int):
         self.a = [[0.0] * features for _ in range(features)]  # Σ x_i·x_j, decayed
         self.b = [0.0] * features                             # Σ x_i·y, decayed
+        self._solved: Optional[tuple[Optional[list[float]]]] = None  # coefficients() until the next add
 
     def add(self, x: tuple[float, ...], y: float) -> None:
+        self._solved = None
         for i, xi in enumerate(x):
             self.b[i] = self.b[i] * DECAY + xi * y
             for j, xj in enumerate(x):
                 self.a[i][j] = self.a[i][j] * DECAY + xi * xj
 
     def coefficients(self) -> Optional[list[float]]:
+        """Solved once per step seen (~90 us in Python), though every step asks several times."""
+        if self._solved is None:
+            self._solved = (self._best_fit(),)
+        return self._solved[0]
+
+    def _best_fit(self) -> Optional[list[float]]:
         k, best = len(self.b), None
         # the most features first, then the later ones: on a tie (too few steps seen to tell) a prompt's cost is
         # put on its tokens rather than on the step
@@ -147,10 +155,10 @@ class Pacer:
         ratio = self.ratio * (decodes + queued) / decodes
         fixed, per_token, per_key = cost
         room = (ratio - 1) * alone - fixed
-        # per_token·n + per_key·n·(start + (n + 1)/2) <= room: the positive root of a quadratic in n
-        linear = per_token + per_key * (start + 0.5)
         if room <= 0:
             return self.min_tokens
+        # per_token·n + per_key·n·(start + (n + 1)/2) <= room: the positive root of a quadratic in n
+        linear = per_token + per_key * (start + 0.5)
         if per_key > 0:
             n = (math.sqrt(linear * linear + 2 * per_key * room) - linear) / per_key
         else:
