@@ -1,6 +1,6 @@
 """The CPU kernels in C: decode and prompt-chunk attention (kernels/paged_decode.c, kernels/paged_prefill.c) and
-greedy sampling's reductions (kernels/greedy.c), built once per machine with the system's C compiler, loaded with ctypes, called with raw
-pointers to the step's tensors.
+greedy sampling's reductions (kernels/greedy.c), built once per machine with the system's C compiler, loaded with
+ctypes, called with raw pointers to the step's tensors.
 
 Decode attention reads each request's keys and values in place through its block table, once, where the torch
 path gathers every decode group's blocks into a padded copy in every layer and reads that twice. Plain C and no
