@@ -109,7 +109,8 @@ class Pacer:
         self.ratio = ratio
         self.min_tokens = min_tokens
         self._decodes = _Fit(2)  # decode-only steps: seconds ≈ base·1 + per_decode·D
-        self._prompts = _Fit(3)  # steps with prompt tokens: seconds - decode-only step ≈ fixed + per_token·n + per_key·keys
+        # steps with prompt tokens: seconds - decode-only step ≈ fixed + per_token·n + per_key·keys
+        self._prompts = _Fit(3)
         self._rough: Optional[float] = None  # seconds / n of a prompt step seen before any decode-only step
 
     def observe(self, decodes: int, chunks: Iterable[tuple[int, int]], seconds: float) -> None:
