@@ -165,6 +165,23 @@ class Engine:
                 self.unstreamed.append((job, g))
         for req in self.scheduler.update(step, outcome):
             self._left(req)
+        self._constrain(outcome.tokens)
+
+    def _constrain(self, tokens: dict[int, int]) -> None:
+        """Constrained requests' matchers take their new tokens (router/grammar.py). One whose grammar is complete
+        ends now (only EOS could follow); one given a token its grammar refused (possible only when every allowed
+        token had an impossible logit) ends too, rather than run on unconstrained."""
+        for rid, token in tokens.items():
+            job = self.jobs.get(rid)
+            if job is None or job.constraint is None:
+                continue
+            accepted = job.constraint.accept(token)
+            if job.request.state is State.FINISHED or (accepted and not job.constraint.complete):
+                continue
+            if not accepted:
+                log.warning("request %d: its grammar refused token %d; it ends here", rid, token)
+            self.scheduler.finish(job.request, "eos_token")
+            self._left(job.request)
 
     def _stream(self) -> None:
         """The last step's tokens to their jobs: text pieces, stop sequences, events. A request a stop sequence

@@ -7,6 +7,7 @@ from typing import Optional
 from proto import generate_pb2 as pb
 from router.core.request import Request
 from router.detokenizer import Detokenizer
+from router.grammar import Constraint
 
 clock = time.monotonic  # every request timing reads it; tests replace it to drive a known timeline
 
@@ -28,6 +29,7 @@ class Job:
     detokenizer: Detokenizer
     special_ids: frozenset
     seed: Optional[int] = None
+    constraint: Optional[Constraint] = None  # constrained decoding: its grammar's matcher (router/grammar.py)
     tokens: list[Token] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finish_reason: Optional[str] = None

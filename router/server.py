@@ -56,14 +56,16 @@ def service(settings: Settings, model_dir: str):
 
     from router.api.service import Service
     from router.api.validation import Limits
+    from router.grammar import Grammars
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     gen = GenerationConfig.from_pretrained(model_dir)
     eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
     limits = Limits(settings.max_input_tokens, settings.max_total_tokens, len(tokenizer),
                     settings.max_stop_sequences, settings.max_top_n_tokens)
-    return Service(tokenizer, limits, frozenset([eos] if isinstance(eos, int) else eos),
-                   settings.max_concurrent_requests, settings.model_name)
+    eos_ids = frozenset([eos] if isinstance(eos, int) else eos)
+    return Service(tokenizer, limits, eos_ids, settings.max_concurrent_requests, settings.model_name,
+                   grammars=Grammars(tokenizer, len(tokenizer), eos_ids))
 
 
 def http_app(settings: Settings, svc, sockets: list[str]):

@@ -132,7 +132,7 @@ class Shards:
     async def step(self, step: Step, jobs) -> pb.StepResponse:
         """Prefill when the step carries prompt tokens, else Decode; `jobs` gives each request's sampling
         parameters (sent with its first entry only: the shards keep them)."""
-        entries = [entry_message(e, jobs[e.request.id].parameters) for e in step.entries]
+        entries = [entry_message(e, jobs[e.request.id]) for e in step.entries]
         return await self._all("Prefill" if step.has_prefill else "Decode", pb.StepRequest(entries=entries))
 
     async def filter(self, remove_ids: list[int]) -> None:
@@ -145,12 +145,14 @@ class Shards:
         await asyncio.gather(*[c.close() for c in self.channels])
 
 
-def entry_message(e: Entry, parameters: pb.SamplingParameters) -> pb.StepEntry:
-    """One entry of a step as the shards receive it: only the new tokens and blocks; the rest they keep."""
+def entry_message(e: Entry, job) -> pb.StepEntry:
+    """One entry of a step as the shards receive it: only the new tokens and blocks, and for a constrained request
+    that samples, the tokens its grammar allows next (computed here: it needs the token the last step gave)."""
     req = e.request
+    allowed = job.constraint.allowed() if e.sample and job.constraint is not None else b""
     return pb.StepEntry(
         id=req.id, input_ids=req.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
-        sample=e.sample, cached_tokens=e.start, parameters=parameters if e.first else None,
+        sample=e.sample, cached_tokens=e.start, parameters=job.parameters if e.first else None,
         prompt_tokens=len(req.prompt_ids) if e.first else 0,
-        new_window_blocks=e.new_window_blocks, window_dropped=e.window_dropped,
+        new_window_blocks=e.new_window_blocks, window_dropped=e.window_dropped, allowed_tokens=allowed,
     )

@@ -13,7 +13,7 @@ from shard import attention, compiled, layout, paged_kernel
 from shard.kv_cache import KVCache, ceil_div
 from shard.model import LoadedModel
 from shard.profiling import scope
-from shard.sampling import Params, sample
+from shard.sampling import Params, constrain, sample
 from shard.step import Entry, Sampled, StepResult
 
 
@@ -164,7 +164,8 @@ class Runner:
         return (self.compiled and self.compiled.pad_to(tokens)) or layout.bucket(tokens)
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:
-        picks = sample(logits[[r for _, _, r in sampled]], [st.params for _, st, _ in sampled],
+        rows = constrain(logits[[r for _, _, r in sampled]], [e.allowed_tokens for e, _, _ in sampled])
+        picks = sample(rows, [st.params for _, st, _ in sampled],
                        [self._history(st) for _, st, _ in sampled], [st.cached for _, st, _ in sampled])
         return [Sampled(e.id, token, logprob, top) for (e, _, _), (token, logprob, top) in zip(sampled, picks)]
 

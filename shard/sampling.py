@@ -88,6 +88,23 @@ def penalize(logits: torch.Tensor, params: list[Params], histories: list) -> tor
     return logits
 
 
+def constrain(logits: torch.Tensor, masks: list[bytes]) -> torch.Tensor:
+    """Constrained decoding: a row with a bitmask (proto StepEntry.allowed_tokens) keeps only the tokens it
+    allows; the others become impossible (-inf) before penalties, warpers and sampling see them."""
+    rows = [i for i, m in enumerate(masks) if m]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32)
+    for i in rows:
+        words = torch.frombuffer(bytearray(masks[i]), dtype=torch.int32)
+        allowed = ((words[:, None] >> bits) & 1).flatten()[:vocab].to(torch.bool)
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[:allowed.shape[0]] = allowed
+        logits[i].masked_fill_(~keep.to(logits.device), float("-inf"))
+    return logits
+
+
 def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
     gen = torch.Generator(device=logprobs.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
     return int(torch.multinomial(logprobs.exp(), 1, generator=gen))

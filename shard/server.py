@@ -143,7 +143,7 @@ def step_entry(e: pb.StepEntry) -> Entry:
     params = Params(p.temperature or 1.0, p.top_k, p.top_p or 1.0, p.do_sample, p.seed, p.repetition_penalty or 1.0,
                     p.frequency_penalty, p.typical_p or 1.0, p.top_n_tokens) if first else None
     return Entry(e.id, list(e.input_ids), list(e.new_blocks), e.sample, e.cached_tokens, params, e.prompt_tokens,
-                 first and p.prefill_logprobs, list(e.new_window_blocks), e.window_dropped)
+                 first and p.prefill_logprobs, list(e.new_window_blocks), e.window_dropped, e.allowed_tokens)
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:

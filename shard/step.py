@@ -19,6 +19,7 @@ class Entry:
     prefill_logprobs: bool = False
     new_window_blocks: list[int] = field(default_factory=list)
     window_dropped: int = 0
+    allowed_tokens: bytes = b""  # constrained decoding: the bitmask of tokens it may sample (empty: any)
 
 
 @dataclass

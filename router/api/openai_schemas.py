@@ -1,11 +1,13 @@
 """OpenAI's request shapes and errors, and how a request becomes a TGI-shaped `Parameters` and prompt."""
+import json
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from router.api.errors import APIError
+from router.api.openai_tools import Tools, native_call, render_call
 from router.api.service import Service
-from router.api.validation import GREEDY_BELOW, Parameters, Text
+from router.api.validation import GREEDY_BELOW, Grammar, Parameters, Text
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's own limits (the router's may be lower)
@@ -20,6 +22,14 @@ def invalid(message: str, param: Optional[str] = None) -> APIError:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (extra_body): one of a JSON schema, a regex, a list of choices, a Lark grammar."""
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: Optional[Text] = None
+    choice: Optional[list[Text]] = None
+    grammar: Optional[Text] = None
 
 
 class Common(BaseModel):
@@ -45,12 +55,17 @@ class Common(BaseModel):
     top_k: Optional[int] = None
     repetition_penalty: Optional[float] = None
     priority: int = 0
+    structured_outputs: Optional[StructuredOutputs] = None
+    # OpenAI's on chat; vLLM takes it on completions too
+    response_format: Optional[dict[str, Any]] = None
 
 
 class ChatMessage(BaseModel):
     role: Text
     content: Union[Text, list[dict[str, Any]], None] = None
     name: Optional[Text] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's past calls
+    tool_call_id: Optional[Text] = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(Common):
@@ -60,7 +75,6 @@ class ChatCompletionRequest(Common):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(Common):
@@ -108,8 +122,45 @@ def to_parameters(req: Common, max_tokens: Optional[int], top_n: int,
         temperature=None if greedy else req.temperature, top_p=None if greedy else req.top_p,
         top_k=None if greedy or req.top_k in (-1, 0) else req.top_k, seed=req.seed,
         frequency_penalty=req.frequency_penalty or None, repetition_penalty=req.repetition_penalty,
-        stop=[s for s in stop if s], ignore_eos=req.ignore_eos, priority=req.priority, details=True, **extra,
+        stop=[s for s in stop if s], ignore_eos=req.ignore_eos, priority=req.priority, details=True,
+        grammar=grammar(req), **extra,
     )
+
+
+def grammar(req: Common) -> Optional[Grammar]:
+    """`response_format` (OpenAI) or `structured_outputs` (vLLM) as TGI's `parameters.grammar`."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.get("type", "text") != "text" and so is not None:
+        raise invalid("give `response_format` or `structured_outputs`, not both", "response_format")
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Grammar(type="json", value={"type": "object"})
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise invalid('`response_format` json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                              "response_format")
+            return Grammar(type="json", value=spec["schema"])
+        raise invalid(f"`response_format` type must be text, json_object or json_schema (got {kind!r})",
+                      "response_format")
+    if so is None:
+        return None
+    given = [k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar))
+             if v is not None]
+    if len(given) != 1:
+        raise invalid(f"`structured_outputs` takes exactly one of json, regex, choice, grammar (got {given})",
+                      "structured_outputs")
+    if so.choice is not None:
+        if not so.choice or not all(so.choice):
+            raise invalid("`structured_outputs.choice` must list non-empty strings", "structured_outputs")
+        return Grammar(type="lark", value="start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
+    if so.grammar is not None:
+        return Grammar(type="lark", value=so.grammar)
+    return Grammar(type="regex", value=so.regex) if so.regex is not None else Grammar(type="json", value=so.json_)
+
 
 
 def message_text(m: ChatMessage, i: int) -> str:
@@ -124,13 +175,10 @@ def message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def chat_prompt(svc: Service, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt(svc: Service, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> list[int]:
+    """The conversation through the model's chat template; with tools, as openai_tools.py renders them."""
     if not req.messages:
         raise invalid("`messages` cannot be empty", "messages")
-    if req.tools:
-        raise invalid("`tools` are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise invalid("only `response_format` {\"type\": \"text\"} is supported", "response_format")
     if getattr(svc.tokenizer, "chat_template", None) is None:
         raise invalid("this model has no chat template: use /v1/completions", "messages")
     messages = []
@@ -138,9 +186,23 @@ def chat_prompt(svc: Service, req: ChatCompletionRequest) -> list[int]:
         msg = {"role": m.role, "content": message_text(m, i)}
         if m.name:
             msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls and tools is not None and tools.native:
+            msg["tool_calls"] = [native_call(c) for c in m.tool_calls]
+        elif m.tool_calls:
+            msg["content"] += "".join(render_call(c) for c in m.tool_calls if isinstance(c, dict))
         messages.append(msg)
+    extra = {}
+    if tools is not None and tools.native:
+        extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+    elif tools is not None:
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + tools.system_prompt()}
+        else:
+            messages.insert(0, {"role": "system", "content": tools.system_prompt()})
     try:
-        ids = svc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = svc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     except Exception as e:  # jinja2's TemplateError (a template's raise_exception), ValueError, TypeError
         raise invalid(f"the chat template refused these messages: {e}", "messages") from e
     if not isinstance(ids, list):  # a BatchEncoding where transformers returns a dict

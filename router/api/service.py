@@ -8,10 +8,11 @@ from typing import AsyncIterator, Optional
 from router import metrics
 from router.api.errors import APIError
 from router.api.info import Info
-from router.api.validation import GenerateRequest, Limits, ValidationError, validate
+from router.api.validation import GenerateRequest, Limits, Validated, ValidationError, validate
 from router.core.request import Request
 from router.detokenizer import Detokenizer
 from router.engine import Engine
+from router.grammar import Constraint, GrammarError, Grammars
 from router.job import Job
 from router.shards import ShardError
 
@@ -27,6 +28,7 @@ class Service:
     info: Optional[Info] = None
     draining: bool = False
     validating: int = 0  # requests admitted but still being tokenized: they count against the limit too
+    grammars: Optional[Grammars] = None  # constrained decoding (None: requests with a grammar are refused)
 
     async def start(self, body: GenerateRequest) -> Job:
         """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid).
@@ -41,7 +43,7 @@ class Service:
             raise APIError(429, "Model is overloaded", "overloaded")
         self.validating += 1
         try:
-            v = await asyncio.to_thread(validate, body, self.tokenizer, self.limits)
+            v, constraint = await asyncio.to_thread(self._validate, body)
         except ValidationError as e:
             metrics.outcome("validation")
             raise APIError(422, str(e), "validation") from e
@@ -54,13 +56,26 @@ class Service:
                             reuse_prefix=not body.parameters.decoder_input_details),
             parameters=v.sampling,
             detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
-            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed, arrived_at=arrived,
+            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed, constraint=constraint,
+            arrived_at=arrived,
         )
         metrics.validation_duration.observe(job.queued_at - arrived)
         metrics.input_length.observe(len(v.input_ids))
         metrics.max_new_tokens.observe(v.max_new_tokens)
         self.engine.submit(job)
         return job
+
+    def _validate(self, body: GenerateRequest) -> tuple[Validated, Optional[Constraint]]:
+        """Validation, then the grammar's compile (bounded: router/grammar.py's LIMITS), in a worker thread."""
+        v = validate(body, self.tokenizer, self.limits)
+        if v.grammar is None:
+            return v, None
+        if self.grammars is None:
+            raise ValidationError("`grammar`: constrained decoding is not available on this server")
+        try:
+            return v, self.grammars.compile(v.grammar)
+        except GrammarError as e:
+            raise ValidationError(f"`grammar`: {e}") from None
 
     async def current_info(self) -> Info:
         """/info, with the step sizes' compile as the shards report it now while it is not over (it runs in the

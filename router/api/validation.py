@@ -6,11 +6,12 @@ value with the same meaning. Text is `Text`: valid Unicode, as the tokenizer nee
 """
 import random
 from dataclasses import dataclass
-from typing import Annotated, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from proto import generate_pb2 as pb
+from router.grammar import GrammarError, Spec
 
 GREEDY_BELOW = 1e-5  # as vLLM (and shard/sampling.py): a smaller temperature is greedy, dividing by it overflows
 MAX_STOP_CHARS = 1024  # per stop sequence: they are matched against the text after every token
@@ -27,6 +28,13 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+
+
+class Grammar(BaseModel):
+    """TGI's `parameters.grammar`: json (a JSON schema; json_object is TGI's alias), json_schema ({"name", "schema"},
+    as OpenAI's response_format carries it), regex, or (cb extension) lark, a Lark grammar as llguidance reads it."""
+    type: Literal["json", "json_object", "json_schema", "regex", "lark"]
+    value: Any = None
 
 
 class Parameters(BaseModel):
@@ -51,6 +59,7 @@ class Parameters(BaseModel):
     watermark: bool = False
     ignore_eos: bool = Field(False, description="cb extension (as vLLM): keep generating past EOS")
     priority: int = Field(0, description="cb extension (as vLLM): lower is served first and evicted last")
+    grammar: Optional[Grammar] = None
 
 
 class GenerateRequest(BaseModel):
@@ -79,6 +88,7 @@ class Validated:
     sampling: pb.SamplingParameters
     stop: list[str]
     seed: Optional[int]
+    grammar: Optional[Spec] = None  # compiled by the service (router/grammar.py)
 
 
 def _check_parameters(p: Parameters, limits: Limits) -> None:
@@ -155,7 +165,25 @@ def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
         raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
                               f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
     params, seed = _sampling(p, limits.vocab_size)
-    return Validated(ids, max_new, params, list(p.stop), seed)
+    return Validated(ids, max_new, params, list(p.stop), seed, grammar_spec(p.grammar))
+
+
+def grammar_spec(g: Optional[Grammar]) -> Optional[Spec]:
+    """What `parameters.grammar` asks for, checked for shape (the service compiles it)."""
+    if g is None:
+        return None
+    try:
+        if g.type in ("json", "json_object"):
+            return Spec.json_schema({"type": "object"} if g.value is None and g.type == "json_object" else g.value)
+        if g.type == "json_schema":
+            if not isinstance(g.value, dict) or "schema" not in g.value:
+                raise GrammarError('a json_schema grammar\'s value is {"name": ..., "schema": {...}}')
+            return Spec.json_schema(g.value["schema"])
+    except GrammarError as e:
+        raise ValidationError(f"`grammar`: {e}") from None
+    if not isinstance(g.value, str) or not g.value:
+        raise ValidationError(f"`grammar`: a {g.type} grammar's value is a non-empty string")
+    return Spec(g.type, g.value)
 
 
 def _f32(x: Optional[float], default: float) -> float:

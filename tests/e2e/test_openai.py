@@ -245,8 +245,19 @@ BAD = {
     "message without role": ("chat", {"messages": [{"content": "hi"}]}, "messages"),
     "content a number": ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages"),
     "tools": ("chat", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    "json response_format": ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}},
-                             "response_format"),
+    "response_format xml": ("chat", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    "json_schema without a schema": ("chat", {"messages": CHAT, "response_format": {"type": "json_schema"}},
+                                     "response_format"),
+    "invalid JSON schema": ("chat", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, "response_format"),
+    "invalid regex": ("completions", {"prompt": PROMPT, "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    "two structured outputs": ("completions", {"prompt": PROMPT, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+                               "structured_outputs"),
+    "tool_choice names no tool": ("chat", {"messages": CHAT, "tool_choice": {"type": "function", "function": {
+        "name": "f"}}, "tools": [{"type": "function", "function": {"name": "g"}}]}, "tool_choice"),
+    "tool_choice without tools": ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    "tool parameters invalid": ("chat", {"messages": CHAT, "tool_choice": "required", "tools": [{
+        "type": "function", "function": {"name": "g", "parameters": {"type": "nope"}}}]}, "tools"),
     "stream_options a list": ("chat", {"messages": CHAT, "stream": True, "stream_options": []}, "stream_options"),
     "logprobs -1": ("completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
     "top_logprobs -1": ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),

@@ -128,3 +128,28 @@ def test_greedy_kernel_equals_the_torch_path(vocab, dtype):
             odd[4, :] = -INF
         assert paged_kernel.greedy(odd) is None
         assert [t for t, _, _ in sample(odd, [Params()] * 6, [None] * 6, [0] * 6)][:4] == tokens[:4]
+
+
+def mask_of(allowed: list[int], vocab: int = V) -> bytes:
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_mask_keeps_only_its_tokens(do_sample):
+    """Constrained rows sample only allowed tokens (greedy: the best allowed one), whatever else is likely; an
+    unmasked row beside them is untouched; a mask shorter than the vocabulary allows nothing past its end."""
+    from shard.sampling import constrain
+    rows = logits(3, seed=5)
+    allowed = [3, 40, 63]
+    short = mask_of([1, 2], vocab=32)[:4]
+    masked = constrain(rows.clone(), [mask_of(allowed), b"", short])
+    assert torch.equal(masked[1], rows[1])
+    assert masked[2, 32:].isneginf().all() and masked[2, [1, 2]].isfinite().all()
+    for seed in range(20):
+        (token, logprob, _), _, (other, _, _) = run(masked, Params(do_sample=do_sample, seed=seed))
+        assert token in allowed and other in (1, 2) and math.isfinite(logprob)
+        if not do_sample:
+            assert token == max(allowed, key=lambda t: rows[0, t])

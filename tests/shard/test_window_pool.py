@@ -102,7 +102,7 @@ def test_greedy_beyond_the_window_equals_transformers(runner, reference):
         chunks = {e.request.id: not e.decode for e in step.entries}
         joined |= chunks.get(reqs[0].id, False) and reqs[1].id in chunks
         unaligned |= any(e.start % BS for e in step.entries if not e.decode)
-        result = runner.step([step_entry(entry_message(e, jobs[e.request.id].parameters)) for e in step.entries])
+        result = runner.step([step_entry(entry_message(e, jobs[e.request.id])) for e in step.entries])
         for rid, logprobs in result.prefill:
             scored[rid] += logprobs
         sched.update(step, Outcome({g.id: g.token_id for g in result.generations}))
