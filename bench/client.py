@@ -45,6 +45,8 @@ class OpenAI(TGI):
     def body(self, req: Req) -> dict:
         out = {"prompt": req.inputs, "max_tokens": req.max_new_tokens, "ignore_eos": True, "temperature": 0,
                "stream": True, "stream_options": {"include_usage": True}}
+        if req.response_format is not None:
+            out["response_format"] = req.response_format
         return {"model": self.model, **out} if self.model else out
 
     def read(self, ev: dict, rec: dict) -> bool:

@@ -31,6 +31,7 @@ class Req:
     prompt_ids: Optional[list[int]] = None
     text: Optional[str] = None
     tokenized: Optional[list[int]] = None  # a text prompt's ids, for the in-process baselines only
+    response_format: Optional[dict] = None  # OpenAI's, sent as is (bench/structured.py)
 
     @property
     def inputs(self) -> Union[str, list[int]]:
