@@ -3,6 +3,7 @@ is replaced and every stream completes, token for token what generate gives for 
 (SmolLM2: 9 heads, 3 KV heads) lives through both failures."""
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from conftest import Server, assert_idle, metric, stream_events
+from test_api_errors import post
 from test_correctness import prompts
 from test_lifecycle import children
 from test_tensor_parallel import serve_all
@@ -81,12 +83,20 @@ def test_killed_shard_is_replaced_and_every_stream_completes_as_generate(tp3, re
     all_ids = all_ids[:16] if len(all_ids) >= 16 else (all_ids * 2)[:16]
     restarts = metric(tp3.url, "cb_shard_restarts_total")
     streams = Streams(tp3.url, all_ids, 16)
+    constrained = {"inputs": "Some words:", "parameters": {"max_new_tokens": 40, "grammar": {
+        "type": "regex", "value": "( [a-z]{1,10}){12}"}}}  # its matcher lives in the router: the restart keeps it
+    answers = []
+    across = threading.Thread(target=lambda: answers.append(post(tp3.url, constrained, timeout=WAIT).json()))
+    across.start()
     streams.wait_for_tokens(40)
     os.kill(shard_pid(tp3, 1), signal.SIGKILL)
     streams.join()
+    across.join(timeout=WAIT)
     assert not streams.errors, streams.errors
     for ids, ours in zip(all_ids, streams.tokens):
         reference.assert_same_greedy(ids, ours, 16)
+    assert re.fullmatch("( [a-z]{1,10}){12}", answers[0]["generated_text"]), answers
+    assert post(tp3.url, constrained, timeout=WAIT).json() == answers[0]  # as without the restart
     assert metric(tp3.url, "cb_shard_restarts_total") == restarts + 1, tp3.logs()
     assert health(tp3.url) == 200
     assert_idle(tp3.url)
