@@ -94,14 +94,14 @@ prefix_hit_tokens = Counter("cb_prefix_cache_hit_tokens", "Prompt tokens not rec
                             registry=registry)
 
 
-def outcome(name: str) -> None:
-    """A request ended (success, cancelled, error, validation, overloaded, unhealthy): counted under cb's
+def outcome(name: str, count: int = 1) -> None:
+    """`count` requests ended (success, cancelled, error, validation, overloaded, unhealthy): counted under cb's
     tgi_request_outcome and under TGI's tgi_request_success or tgi_request_failure{err} alike."""
-    _outcomes.labels(name).inc()
+    _outcomes.labels(name).inc(count)
     if name == "success":
-        success.inc()
+        success.inc(count)
     else:
-        failure.labels(TGI_ERR.get(name, name)).inc()
+        failure.labels(TGI_ERR.get(name, name)).inc(count)
 
 
 def _method(step) -> str:

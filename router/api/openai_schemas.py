@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.api.errors import APIError
 from router.api.openai_tools import Tools, native_call, render_call
 from router.api.service import Service
-from router.api.validation import GREEDY_BELOW, Grammar, Parameters, Text
+from router.api.validation import GREEDY_BELOW, MAX_CHOICES, Grammar, Parameters, Text
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's own limits (the router's may be lower)
@@ -94,8 +94,8 @@ def check_top_logprobs(value: Optional[int], most: int, field: str) -> None:
 
 def _check(req: Common, max_tokens: Optional[int], max_tokens_field: str) -> None:
     """The rules OpenAI's fields add to TGI's (validation.py checks the rest once both are Parameters)."""
-    if req.n is not None and req.n != 1:
-        raise invalid(f"`n` must be 1: cb returns a single choice per request (got n={req.n})", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise invalid(f"`n` must be between 1 and {MAX_CHOICES} (got {req.n})", "n")
     if max_tokens is not None and max_tokens < 1:
         raise invalid(f"`{max_tokens_field}` must be at least 1", max_tokens_field)
     if req.temperature is not None and req.temperature < 0:
@@ -220,8 +220,11 @@ def completion_prompt(req: CompletionRequest) -> Union[str, list[int]]:
         raise invalid("`prompt` cannot be empty", "prompt")
     if req.suffix:
         raise invalid("`suffix` is not supported", "suffix")
-    if req.best_of is not None and req.best_of != 1:
-        raise invalid("`best_of` must be 1", "best_of")
+    if req.best_of is not None and not (req.n or 1) <= req.best_of <= MAX_CHOICES:
+        raise invalid(f"`best_of` must be at least `n` ({req.n or 1}) and at most {MAX_CHOICES} (got {req.best_of})",
+                      "best_of")
+    if req.best_of is not None and req.best_of > (req.n or 1) and req.stream:
+        raise invalid("`best_of` greater than `n` cannot be streamed (the best are known only at the end)", "best_of")
     if req.echo and req.logprobs is not None:
         raise invalid("`echo` with `logprobs` is not supported (no prompt logprobs)", "echo")
     return p

@@ -101,6 +101,7 @@ def completion_logprobs(vocab: Vocab, tokens: list[Token], top_n: int, offset: i
     return out
 
 
-def usage(job: Job) -> dict:
-    prompt, completion = len(job.request.prompt_ids), len(job.tokens)
+def usage(jobs: list[Job]) -> dict:
+    """The prompt once (its choices share it), every choice's tokens."""
+    prompt, completion = len(jobs[0].request.prompt_ids), sum(len(job.tokens) for job in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

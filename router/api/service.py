@@ -13,6 +13,7 @@ from router.core.request import Request
 from router.detokenizer import Detokenizer
 from router.engine import Engine
 from router.grammar import Constraint, GrammarError, Grammars
+from proto import generate_pb2 as pb
 from router.job import Job
 from router.shards import ShardError
 
@@ -33,47 +34,63 @@ class Service:
     async def start(self, body: GenerateRequest) -> Job:
         """Validates and queues a request, or raises APIError (503 draining, 429 overloaded, 422 invalid).
         Tokenizing runs in a worker thread, so a long prompt never stalls the batching loop."""
+        return (await self.start_choices(body, 1))[0]
+
+    async def start_choices(self, body: GenerateRequest, n: int) -> list[Job]:
+        """n choices of one prompt (OpenAI's n, best_of): validated and tokenized once, each its own request;
+        choice i samples with seed + i, so it equals a single request with that seed; the later choices wait
+        for the first's prompt to be cached and share its blocks (Request.after). Each counts against
+        --max-concurrent-requests."""
         arrived = time.monotonic()
-        metrics.requests.inc()
+        metrics.requests.inc(n)
         if self.draining:
-            metrics.outcome("unhealthy")
+            metrics.outcome("unhealthy", n)
             raise APIError(503, "the server is shutting down", "unhealthy")
-        if self.validating + len(self.engine.jobs) >= self.max_concurrent_requests:
-            metrics.outcome("overloaded")
+        if self.validating + len(self.engine.jobs) + n > self.max_concurrent_requests:
+            metrics.outcome("overloaded", n)
             raise APIError(429, "Model is overloaded", "overloaded")
-        self.validating += 1
+        self.validating += n
         try:
-            v, constraint = await asyncio.to_thread(self._validate, body)
+            v, constraints = await asyncio.to_thread(self._validate, body, n)
         except ValidationError as e:
-            metrics.outcome("validation")
+            metrics.outcome("validation", n)
             raise APIError(422, str(e), "validation") from e
         finally:
-            self.validating -= 1
-        job = Job(
-            request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens,
-                            priority=body.parameters.priority,
-                            stop_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,
-                            reuse_prefix=not body.parameters.decoder_input_details),
-            parameters=v.sampling,
-            detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
-            special_ids=frozenset(self.tokenizer.all_special_ids), seed=v.seed, constraint=constraint,
-            arrived_at=arrived,
-        )
-        metrics.validation_duration.observe(job.queued_at - arrived)
-        metrics.input_length.observe(len(v.input_ids))
-        metrics.max_new_tokens.observe(v.max_new_tokens)
-        self.engine.submit(job)
-        return job
+            self.validating -= n
+        jobs: list[Job] = []
+        for i, constraint in enumerate(constraints):
+            seed = None if v.seed is None else (v.seed + i) % 2**64
+            sampling = pb.SamplingParameters()
+            sampling.CopyFrom(v.sampling)
+            sampling.seed = seed or 0
+            jobs.append(Job(
+                request=Request(prompt_ids=v.input_ids, max_new_tokens=v.max_new_tokens,
+                                priority=body.parameters.priority,
+                                stop_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,
+                                reuse_prefix=not body.parameters.decoder_input_details,
+                                after=jobs[0].request if jobs else None),
+                parameters=sampling,
+                detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
+                special_ids=frozenset(self.tokenizer.all_special_ids), seed=seed, constraint=constraint,
+                arrived_at=arrived,
+            ))
+        for job in jobs:
+            metrics.validation_duration.observe(job.queued_at - arrived)
+            metrics.input_length.observe(len(v.input_ids))
+            metrics.max_new_tokens.observe(v.max_new_tokens)
+            self.engine.submit(job)
+        return jobs
 
-    def _validate(self, body: GenerateRequest) -> tuple[Validated, Optional[Constraint]]:
-        """Validation, then the grammar's compile (bounded: router/grammar.py's LIMITS), in a worker thread."""
+    def _validate(self, body: GenerateRequest, n: int = 1) -> tuple[Validated, list[Optional[Constraint]]]:
+        """Validation, then the grammar's compile (bounded: router/grammar.py's LIMITS) and a matcher for each of
+        the n choices, in a worker thread."""
         v = validate(body, self.tokenizer, self.limits)
         if v.grammar is None:
-            return v, None
+            return v, [None] * n
         if self.grammars is None:
             raise ValidationError("`grammar`: constrained decoding is not available on this server")
         try:
-            return v, self.grammars.compile(v.grammar)
+            return v, [self.grammars.compile(v.grammar) for _ in range(n)]
         except GrammarError as e:
             raise ValidationError(f"`grammar`: {e}") from None
 

@@ -80,18 +80,34 @@ class TGIRoutes:
         return text
 
     async def generate_json(self, body: GenerateRequest, http: HttpRequest) -> tuple[dict, dict]:
-        job = await self.svc.start(body)
-        async for kind, payload in self.svc.events(job, http):
-            if kind == "error":
-                raise APIError(424, payload, "generation")
-        if job.finish_reason is None:
-            raise APIError(499, "client closed the request", "cancelled")
-        out = {"generated_text": self.final_text(job, body)}
+        """One answer; with best_of > 1, that many sampled choices (seed + i each), the answer the most likely
+        by cumulative logprob and the others in details.best_of_sequences, as TGI has it."""
+        jobs = await self.svc.start_choices(body, body.parameters.best_of or 1)
+
+        async def follow(job: Job) -> None:
+            async for kind, payload in self.svc.events(job, http):
+                if kind == "error":
+                    raise APIError(424, payload, "generation")
+            if job.finish_reason is None:
+                raise APIError(499, "client closed the request", "cancelled")
+        try:
+            await asyncio.gather(*[follow(job) for job in jobs])
+        finally:
+            for job in jobs:
+                self.svc.engine.cancel(job)
+        best = max(jobs, key=lambda j: sum(t.logprob for t in j.tokens))
+        out = {"generated_text": self.final_text(best, body)}
         if body.parameters.details:
-            out["details"] = full_details_json(job, self.svc, body)
-        return out, timing_headers(job, self.svc, body)
+            out["details"] = full_details_json(best, self.svc, body)
+            if len(jobs) > 1:
+                out["details"]["best_of_sequences"] = [
+                    {"generated_text": self.final_text(j, body), **full_details_json(j, self.svc, body)}
+                    for j in jobs if j is not best]
+        return out, timing_headers(best, self.svc, body)
 
     async def stream_response(self, body: GenerateRequest) -> StreamingResponse:
+        if (body.parameters.best_of or 1) > 1:
+            raise APIError(422, "`best_of` != 1 is not supported when streaming tokens", "validation")
         job = await self.svc.start(body)
 
         async def stream():

@@ -15,6 +15,7 @@ from router.grammar import GrammarError, Spec
 
 GREEDY_BELOW = 1e-5  # as vLLM (and shard/sampling.py): a smaller temperature is greedy, dividing by it overflows
 MAX_STOP_CHARS = 1024  # per stop sequence: they are matched against the text after every token
+MAX_CHOICES = 16  # best_of (TGI, OpenAI) and n (OpenAI): each choice is a request of its own
 F32_TINY, F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # float32's smallest normal and largest
 
 
@@ -93,10 +94,8 @@ class Validated:
 
 def _check_parameters(p: Parameters, limits: Limits) -> None:
     """TGI's rules, with TGI's messages."""
-    if p.best_of is not None and p.best_of <= 0:
-        raise ValidationError("`best_of` must be strictly positive")
-    if p.best_of is not None and p.best_of > 1:
-        raise ValidationError("`best_of` > 1 is not supported: send several requests with different seeds")
+    if p.best_of is not None and not 0 < p.best_of <= MAX_CHOICES:
+        raise ValidationError(f"`best_of` must be > 0 and <= {MAX_CHOICES}. Given: {p.best_of}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported")
     _check_sampling(p)
@@ -165,6 +164,9 @@ def validate(req: GenerateRequest, tokenizer, limits: Limits) -> Validated:
         raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
                               f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
     params, seed = _sampling(p, limits.vocab_size)
+    if (p.best_of or 1) > 1 and not params.do_sample:
+        raise ValidationError("`best_of` > 1 needs sampling (`do_sample`, or a temperature, top_k, top_p or typical_p): "
+                              "greedy choices would all be the same")
     return Validated(ids, max_new, params, list(p.stop), seed, grammar_spec(p.grammar))
 
 

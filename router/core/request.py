@@ -42,6 +42,14 @@ class Request:
     swap_slots: list[int] = field(default_factory=list)  # where its blocks wait while offloaded
     window_blocks: list[int] = field(default_factory=list)  # hybrid models: the sliding layers' blocks
     window_base: int = 0  # logical index of window_blocks[0]
+    after: Optional["Request"] = None  # another choice of the same prompt (n, best_of), whose prompt it shares
+
+    @property
+    def gated(self) -> bool:
+        """A later choice of a prompt waits until the first choice's prompt is in the cache: admitted then, it
+        finds the prompt's full blocks there (prefix caching) and computes only the partial last block."""
+        lead = self.after
+        return lead is not None and lead.state is not State.FINISHED and lead.computed < len(lead.prompt_ids)
 
     @property
     def rank(self) -> tuple:

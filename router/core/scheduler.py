@@ -186,6 +186,8 @@ class Scheduler:
         for req in self.waiting:
             if slots <= 0 or prefill_left <= 0 or ((self.running or plan) and free.pool < reserve):
                 break
+            if req.gated:
+                continue
             if self.offloaded and req.rank > self.offloaded[0].rank:
                 break  # an offloaded request that outranks it comes back first
             hit = self.kv.lookup(req)

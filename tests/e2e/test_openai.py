@@ -1,5 +1,5 @@
 """The OpenAI surface, driven by the real `openai` client: chat and completions, streamed and not, against
-transformers' own greedy output; n=2, stop, logprobs, usage, seeds, ignore_eos, errors in OpenAI's shape, bad and
+transformers' own greedy output; n=17, stop, logprobs, usage, seeds, ignore_eos, errors in OpenAI's shape, bad and
 hostile fields."""
 import httpx
 import openai
@@ -104,12 +104,12 @@ def test_stream_ends_with_done(server):
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_n_2_is_a_422_in_openai_shape(client, route, stream):
+def test_n_17_is_a_422_in_openai_shape(client, route, stream):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         if route == "chat":
-            client.chat.completions.create(model="cb", messages=CHAT, max_tokens=4, n=2, stream=stream)
+            client.chat.completions.create(model="cb", messages=CHAT, max_tokens=4, n=17, stream=stream)
         else:
-            client.completions.create(model="cb", prompt=PROMPT, max_tokens=4, n=2, stream=stream)
+            client.completions.create(model="cb", prompt=PROMPT, max_tokens=4, n=17, stream=stream)
     assert e.value.status_code == 422
     err = e.value.body
     assert err["type"] == "invalid_request_error" and err["param"] == "n" and "`n`" in err["message"]
@@ -232,7 +232,8 @@ BAD = {
     "stop a number": ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     "priority 2**40": ("completions", {"prompt": PROMPT, "priority": 2**40}, "priority"),
     "best_of 0": ("completions", {"prompt": PROMPT, "best_of": 0}, "best_of"),
-    "best_of 2": ("completions", {"prompt": PROMPT, "best_of": 2}, "best_of"),
+    "best_of below n": ("completions", {"prompt": PROMPT, "best_of": 2, "n": 3}, "best_of"),
+    "best_of streamed": ("completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of"),
     "suffix": ("completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
     "echo with logprobs": ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
     "token id out of vocabulary": ("completions", {"prompt": [1, 2**40]}, "prompt"),

@@ -90,3 +90,32 @@ def test_random_traffic_with_shared_prefixes_never_leaks_or_double_books():
             assert all(r.state is State.WAITING and not r.blocks for r in s.waiting)
         assert not pending and not s.running and not s.waiting
         assert s.kv.pool.num_free == s.kv.pool.num_blocks and s.kv.prefix_hit_blocks > 0
+
+
+def test_choices_of_one_prompt_compute_it_once():
+    """n choices arrive together: the later ones wait until the first's prompt is cached (over several chunks),
+    then compute only its partial last block, sharing every full block; a cancelled first choice frees them."""
+    s = make(prefill=8)
+    prompt = list(range(1, 15))                      # 3 full blocks and 2 tokens
+    lead = Request(prompt, 3)
+    others = [Request(list(prompt), 3, after=lead) for _ in range(3)]
+    for r in [lead, *others]:
+        s.add(r)
+    computed = {r.id: 0 for r in [lead, *others]}
+    while any(r.state is State.WAITING for r in others):
+        step = run_step(s)
+        for e in step.entries:
+            computed[e.request.id] += e.num_tokens if e.first or not e.decode else 0
+        assert all(r.state is State.WAITING for r in others) or lead.computed >= len(prompt)
+    drain(s)
+    assert computed[lead.id] == len(prompt)
+    assert all(computed[r.id] == len(prompt) - 12 for r in others), computed  # the 2 tokens past the full blocks
+    cancelled = Request(prompt + [99], 2)
+    follower = Request(prompt + [99], 2, after=cancelled)
+    s.add(cancelled)
+    s.add(follower)
+    assert follower.gated
+    s.finish(cancelled)
+    assert not follower.gated
+    drain(s)
+    assert s.kv.pool.num_used == 0
