@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Optional
 
+from proto import generate_pb2 as pb
 from router import metrics
 from router.core.request import State
 from router.core.scheduler import Scheduler
@@ -43,7 +44,7 @@ class Engine:
         self.jobs: dict[int, Job] = {}
         self.wake = asyncio.Event()
         self.to_filter: list[int] = []
-        self.unstreamed: list[tuple[Job, object]] = []  # the last step's (job, generation), applied, not yet streamed
+        self.unstreamed: list[tuple[Job, object, bool]] = []  # the last step's (job, generation, its last), applied
         self.in_flight: set[int] = set()  # the requests sampling in the step the shards are computing
         self._seen_lookups = self._seen_hits = 0
         self.recovering = False
@@ -158,13 +159,23 @@ class Engine:
         for p in resp.prefill:
             if p.id in self.jobs:
                 self.jobs[p.id].on_prefill(p.logprobs)
+        given = {}
         for g in resp.generations:
             job = self.jobs.get(g.id)
             if job is not None and job.request.state is not State.FINISHED:
                 outcome.tokens[g.id] = g.token_id
-                self.unstreamed.append((job, g))
+                if g.more_tokens:
+                    outcome.more[g.id] = list(g.more_tokens)
+                given[g.id] = (job, g, len(job.request.generated))
         for req in self.scheduler.update(step, outcome):
             self._left(req)
+        for job, g, before in given.values():  # what update gave each request: one token, or more (speculation)
+            added = len(job.request.generated) - before
+            gens = [g] + [pb.Generation(id=g.id, token_id=t, logprob=lp)
+                          for t, lp in zip(g.more_tokens, g.more_logprobs)][:max(0, added - 1)]
+            self.unstreamed.extend((job, x, i == len(gens) - 1) for i, x in enumerate(gens))
+            job.skipped_tokens += len(gens) - 1
+        metrics.observe_speculation(step, outcome)
         self._constrain(outcome.tokens)
 
     def _constrain(self, tokens: dict[int, int]) -> None:
@@ -187,18 +198,19 @@ class Engine:
         """The last step's tokens to their jobs: text pieces, stop sequences, events. A request a stop sequence
         ends leaves the scheduler here; if it samples in the step in flight, that token is discarded."""
         unstreamed, self.unstreamed = self.unstreamed, []
-        for job, g in unstreamed:
+        for job, g, last in unstreamed:
             if self.jobs.get(job.id) is not job:  # failed or ended meanwhile
                 continue
             piece = job.detokenizer.add(g.token_id)
             req = job.request
-            if req.finish_reason in (None, "length") and job.detokenizer.stopped(piece):
-                if req.state is State.FINISHED:  # its last token also ended the text with a stop sequence
+            if (not last or req.finish_reason in (None, "length")) and job.detokenizer.stopped(piece):
+                if req.state is State.FINISHED:  # a later (or its last) token ended it too: the stop sequence wins
                     req.finish_reason = "stop_sequence"
                 else:
                     self.scheduler.finish(req, "stop_sequence")
                     self._left(req, discarded=int(req.id in self.in_flight))
-            job.on_token(g, piece)
+                last = True
+            job.on_token(g, piece, last)
             if job.finish_reason is not None:
                 self._retire(job)
 

@@ -35,6 +35,7 @@ class Job:
     finish_reason: Optional[str] = None
     cancelled: bool = False
     prefill_logprobs: list[float] = field(default_factory=list)
+    skipped_tokens: int = 0  # tokens speculation gave it beyond one a step (TGI's tgi_request_skipped_tokens)
     arrived_at: float = field(default_factory=lambda: clock())  # the HTTP request came in (before validation)
     queued_at: float = field(default_factory=lambda: clock())  # validated: it joins the queue
     scheduled_at: Optional[float] = None  # its first step was planned (TGI's batch_time; kept through resets)
@@ -55,9 +56,10 @@ class Job:
         room = len(self.request.prompt_ids) - len(self.prefill_logprobs)
         self.prefill_logprobs.extend(list(logprobs)[:max(0, room)])
 
-    def on_token(self, g: pb.Generation, piece: str) -> None:
+    def on_token(self, g: pb.Generation, piece: str, last: bool = True) -> None:
         """Streams a token the scheduler has already applied (`piece`: the text it completed); the request's
-        finish reason, if the token ended it, was decided there."""
+        finish reason, if the token ended it, was decided there (`last`: it is the last token the step gave the
+        request; a speculative step gives several)."""
         if self.first_token_at is None:
             self.first_token_at = clock()
         decode = self.detokenizer.tokenizer.decode
@@ -65,7 +67,7 @@ class Job:
                for t in g.top_tokens]
         token = Token(g.token_id, piece, g.logprob, g.token_id in self.special_ids, top)
         self.tokens.append(token)
-        self.finish_reason = self.request.finish_reason
+        self.finish_reason = self.request.finish_reason if last else None
         token.final = self.finish_reason is not None
         self.events.put_nowait(("token", token))
         if self.finish_reason:

@@ -162,6 +162,21 @@ def observe_scheduler(s) -> None:
         window_blocks_total.set(kv.window.blocks.num_blocks)
 
 
+speculation_proposed = Counter("cb_speculation_proposed_tokens", "Draft tokens proposed by speculation (--speculate) "
+                               "and verified", registry=registry)
+speculation_accepted = Counter("cb_speculation_accepted_tokens", "Draft tokens the model accepted: each saved a step "
+                               "of its request", registry=registry)
+skipped_tokens = Histogram("tgi_request_skipped_tokens", "Tokens speculation gave a successful request beyond one "
+                           "per step", buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=registry)
+
+
+def observe_speculation(step, outcome) -> None:
+    for e in step.entries:
+        if e.drafts and e.request.id in outcome.tokens:
+            speculation_proposed.inc(len(e.drafts))
+            speculation_accepted.inc(min(len(e.drafts), len(outcome.more.get(e.request.id, []))))
+
+
 def observe_retired(job) -> None:
     """A request that left: cancelled by its client, or finished with its timings, as TGI splits them: arrival,
     queued (validated), first scheduled step, last token."""
@@ -171,6 +186,7 @@ def observe_retired(job) -> None:
     outcome("success")
     inference = job.finished_at - job.scheduled_at
     generated_tokens.observe(len(job.tokens))
+    skipped_tokens.observe(job.skipped_tokens)
     request_duration.observe(job.finished_at - job.arrived_at)
     queue_duration.observe(job.scheduled_at - job.queued_at)
     inference_duration.observe(inference)

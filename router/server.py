@@ -101,6 +101,7 @@ async def start_engine(s: Settings, shards):
     from router.core.kv import KVManager
     from router.core.pacing import pacer
     from router.core.scheduler import Budget, Scheduler
+    from router.core.speculation import Speculator
     from router.engine import Engine
     from router.recovery import Recovery
     from router.trace import Trace
@@ -135,7 +136,10 @@ async def start_engine(s: Settings, shards):
         log.info("step cost model from Warmup: decode-only steps of 1 / 64 requests %.1f / %.1f ms; a prompt chunk "
                  "adds %.1f ms and %.2f ms a token", 1e3 * (paced.decode_step(1) or 0),
                  1e3 * (paced.decode_step(64) or 0), 1e3 * fixed, 1e3 * per_token)
-    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, paced), trace,
+    speculator = Speculator(s.speculate) if s.speculate else None
+    if speculator is not None and kv.window is not None:
+        log.warning("--speculate %d is off: a sliding-window model's window table cannot take drafts back", s.speculate)
+    engine = Engine(shards, Scheduler(budget, kv, s.scheduler, s.margin, paced, speculator), trace,
                     Recovery(shards, sizing, pools))
     return engine, Info(
         model_id=s.model_name, model_dtype=info.dtype, model_device_type=info.device,
@@ -149,7 +153,8 @@ async def start_engine(s: Settings, shards):
         safety_margin=s.margin, prefill_step_ratio=s.prefill_step_ratio, prefix_caching=kv.prefix_caching,
         compiled_step_sizes=list(pools.compiled_sizes), compile_seconds=round(pools.compile_seconds, 1),
         compile_state="ready" if pools.compiled_sizes else "pending",  # /info asks the shards until it is over
-        max_stop_sequences=s.max_stop_sequences, max_top_n_tokens=s.max_top_n_tokens)
+        max_stop_sequences=s.max_stop_sequences, max_top_n_tokens=s.max_top_n_tokens,
+        speculate=s.speculate if speculator is not None and kv.window is None else 0)
 
 
 def check_capacity(s: Settings, num_blocks: int) -> int:

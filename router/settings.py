@@ -59,6 +59,9 @@ class Settings:
                                              min=0.0, max=1.0)
     prefix_caching: bool = setting(True, "share the KV blocks of common prompt prefixes (off by itself for "
                                    "sliding-window models)")
+    speculate: int = setting(0, "prompt-lookup speculation: propose up to this many tokens a step from a request's "
+                             "own context, verified in the same step (0: off; not for sliding-window models)",
+                             min=0, max=16)
     cpu_offload_space: float = setting(4.0, "GiB of host memory per shard for offloaded requests' KV blocks "
                                        "(0: evictions are soft resets)", min=0.0)
     num_blocks: Optional[int] = setting(None, "KV blocks in the pool, instead of sizing it from "

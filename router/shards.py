@@ -151,7 +151,7 @@ def entry_message(e: Entry, job) -> pb.StepEntry:
     req = e.request
     allowed = job.constraint.allowed() if e.sample and job.constraint is not None else b""
     return pb.StepEntry(
-        id=req.id, input_ids=req.tokens[e.start:e.start + e.num_tokens], new_blocks=e.new_blocks,
+        id=req.id, input_ids=e.input_ids, new_blocks=e.new_blocks, drafts=len(e.drafts),
         sample=e.sample, cached_tokens=e.start, parameters=job.parameters if e.first else None,
         prompt_tokens=len(req.prompt_ids) if e.first else 0,
         new_window_blocks=e.new_window_blocks, window_dropped=e.window_dropped, allowed_tokens=allowed,

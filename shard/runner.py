@@ -13,7 +13,7 @@ from shard import attention, compiled, layout, paged_kernel
 from shard.kv_cache import KVCache, ceil_div
 from shard.model import LoadedModel
 from shard.profiling import scope
-from shard.sampling import Params, constrain, sample
+from shard.sampling import Params, constrain, sample, verify
 from shard.step import Entry, Sampled, StepResult
 
 
@@ -29,6 +29,7 @@ class RequestState:
     window_blocks: list[int] = field(default_factory=list)
     window_base: int = 0
     history: list[int] = field(default_factory=list)
+    drafted: int = 0  # drafts its last step verified: how far the router may take its cache back
     pending_row: torch.Tensor | None = None  # last prompt row's logits, scoring the next chunk's first token
 
     def wants_prefill_logprobs(self, n: int) -> bool:
@@ -114,7 +115,7 @@ class Runner:
                 rows = logits[row_of[offset]:row_of[offset + n - 1] + 1]
                 prefill.append((e.id, self._prompt_logprobs(st, e.input_ids, rows)))
             if e.sample:
-                sampled.append((e, st, row_of[offset + n - 1]))
+                sampled.append((e, st, [row_of[offset + i] for i in range(n - 1 - e.drafts, n)]))
             st.cached += n
             if st.params.penalized:
                 st.history.extend(e.input_ids)
@@ -140,7 +141,7 @@ class Runner:
             if st.wants_prefill_logprobs(n):
                 keep.extend(range(offset, offset + n))
             elif e.sample:
-                keep.append(offset + n - 1)
+                keep.extend(range(offset + n - 1 - e.drafts, offset + n))
             offset += n
         pad = self._padded(offset) - offset
         ids.extend([0] * pad)
@@ -164,10 +165,25 @@ class Runner:
         return (self.compiled and self.compiled.pad_to(tokens)) or layout.bucket(tokens)
 
     def _sample(self, logits: torch.Tensor, sampled) -> list[Sampled]:
-        rows = constrain(logits[[r for _, _, r in sampled]], [e.allowed_tokens for e, _, _ in sampled])
-        picks = sample(rows, [st.params for _, st, _ in sampled],
-                       [self._history(st) for _, st, _ in sampled], [st.cached for _, st, _ in sampled])
-        return [Sampled(e.id, token, logprob, top) for (e, _, _), (token, logprob, top) in zip(sampled, picks)]
+        """Each entry's next token; an entry with drafts verifies them on its rows (sampling.verify)."""
+        plain = [(e, st, rows[-1]) for e, st, rows in sampled if not e.drafts]
+        out = []
+        if plain:
+            rows = constrain(logits[[r for _, _, r in plain]], [e.allowed_tokens for e, _, _ in plain])
+            picks = sample(rows, [st.params for _, st, _ in plain],
+                           [self._history(st) for _, st, _ in plain], [st.cached for _, st, _ in plain])
+            out = [Sampled(e.id, token, logprob, top) for (e, _, _), (token, logprob, top) in zip(plain, picks)]
+        for e, st, rows in sampled:
+            if e.drafts:
+                made = verify(logits[rows], e.input_ids[-e.drafts:], st.params, st.cached - e.drafts)
+                out.append(Sampled(e.id, made[0][0], made[0][1], more=made[1:]))
+        return out
+
+    def _roll_back(self, st: RequestState, n: int) -> None:
+        """Forgets the last n cached tokens (rejected drafts): their KV is overwritten when the slots are reused."""
+        st.cached -= n
+        if st.params.penalized:
+            del st.history[len(st.history) - n:]
 
     def _prompt_logprobs(self, st: RequestState, input_ids, rows: torch.Tensor) -> list[float]:
         """Row j scores token j+1; the previous chunk's last row scores this chunk's first token."""
@@ -191,6 +207,9 @@ class Runner:
         st = self.requests.get(e.id)
         if st is None:
             raise StepError(f"request {e.id} is not known to this shard")
+        if not first and st.cached > e.cached_tokens and st.cached - e.cached_tokens <= st.drafted:
+            self._roll_back(st, st.cached - e.cached_tokens)  # rejected drafts (speculation)
+        st.drafted = e.drafts
         if st.cached != e.cached_tokens:
             raise StepError(f"request {e.id}: shard holds {st.cached} tokens, router says {e.cached_tokens}")
         st.blocks.extend(e.new_blocks)

@@ -105,6 +105,39 @@ def constrain(logits: torch.Tensor, masks: list[bytes]) -> torch.Tensor:
     return logits
 
 
+def verify(logits: torch.Tensor, drafts: list[int], p: Params, position: int) -> list[tuple[int, float]]:
+    """Speculation (router/core/speculation.py): rows [k + 1, V] scored the request's last token and its k drafts;
+    returns the tokens it produces, (token, logprob) each: the drafts it accepts, then one more. Greedy accepts a
+    draft that is the argmax, so the text is what it would be without drafts. Sampling accepts draft d with
+    probability p(d) and otherwise samples from p without d (the rule for a draft proposed with certainty), so
+    each token has the distribution it would have without drafts; `position` seeds token i's draws as sample_one
+    does (the position of the first token produced)."""
+    out = []
+    for i, row in enumerate(logits):
+        logprobs = finite(row.float()).log_softmax(-1)
+        if p.greedy:
+            token = int(logprobs.argmax())
+        else:
+            warped = finite(warp(row.float(), p)).log_softmax(-1)
+            if bool(warped.isfinite().any()):
+                logprobs = warped
+            gen = torch.Generator(device=row.device).manual_seed((p.seed * 1_000_003 + position + i) % (2**63))
+            if i < len(drafts):
+                d = drafts[i]
+                if float(torch.rand((), generator=gen, device=row.device)) < float(logprobs[d].exp()):
+                    out.append((d, float(logprobs[d])))
+                    continue
+                rest = logprobs.clone()
+                rest[d] = float("-inf")
+                token = int(torch.multinomial(rest.exp(), 1, generator=gen)) if bool(rest.isfinite().any()) else d
+            else:
+                token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
+        out.append((token, float(logprobs[token])))
+        if i >= len(drafts) or token != drafts[i]:
+            break
+    return out
+
+
 def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
     gen = torch.Generator(device=logprobs.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
     return int(torch.multinomial(logprobs.exp(), 1, generator=gen))

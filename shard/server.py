@@ -95,7 +95,8 @@ class ShardService(pb_grpc.ShardServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.StepResponse(
             generations=[pb.Generation(id=g.id, token_id=g.token_id, logprob=g.logprob,
-                                       top_tokens=[pb.TopToken(token_id=t, logprob=v) for t, v in g.top])
+                                       top_tokens=[pb.TopToken(token_id=t, logprob=v) for t, v in g.top],
+                                       more_tokens=[t for t, _ in g.more], more_logprobs=[v for _, v in g.more])
                          for g in result.generations],
             prefill=[pb.PrefillLogprobs(id=i, logprobs=lps) for i, lps in result.prefill],
             forward_ns=result.forward_ns, tokens=sum(len(e.input_ids) for e in request.entries),
@@ -143,7 +144,8 @@ def step_entry(e: pb.StepEntry) -> Entry:
     params = Params(p.temperature or 1.0, p.top_k, p.top_p or 1.0, p.do_sample, p.seed, p.repetition_penalty or 1.0,
                     p.frequency_penalty, p.typical_p or 1.0, p.top_n_tokens) if first else None
     return Entry(e.id, list(e.input_ids), list(e.new_blocks), e.sample, e.cached_tokens, params, e.prompt_tokens,
-                 first and p.prefill_logprobs, list(e.new_window_blocks), e.window_dropped, e.allowed_tokens)
+                 first and p.prefill_logprobs, list(e.new_window_blocks), e.window_dropped, e.allowed_tokens,
+                 e.drafts)
 
 
 def serve(service: ShardService, uds: str) -> grpc.Server:

@@ -20,6 +20,7 @@ class Entry:
     new_window_blocks: list[int] = field(default_factory=list)
     window_dropped: int = 0
     allowed_tokens: bytes = b""  # constrained decoding: the bitmask of tokens it may sample (empty: any)
+    drafts: int = 0  # speculation: the last `drafts` input ids are proposals to verify
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Sampled:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    more: list[tuple[int, float]] = field(default_factory=list)  # speculation: further tokens, (id, logprob)
 
 
 @dataclass

@@ -29,6 +29,7 @@ class Info(BaseModel):
     safety_margin: float
     prefill_step_ratio: float = 0.0  # 0: prompt chunks bounded by max_batch_prefill_tokens alone
     prefix_caching: bool
+    speculate: int = 0  # TGI's field: tokens speculation may propose a step (0: off)
     compiled_step_sizes: list[int] = []  # steps of these many tokens run compiled graphs (once compile_state is ready)
     compile_seconds: float = 0.0  # from the compile's start until its graphs served
     compile_state: str = "off"  # off, pending, compiling (steps run eagerly meanwhile), ready or failed

@@ -68,7 +68,7 @@ class Service:
                                 priority=body.parameters.priority,
                                 stop_ids=frozenset() if body.parameters.ignore_eos else self.eos_ids,
                                 reuse_prefix=not body.parameters.decoder_input_details,
-                                after=jobs[0].request if jobs else None),
+                                after=jobs[0].request if jobs else None, speculate=may_speculate(v, constraint)),
                 parameters=sampling,
                 detokenizer=Detokenizer(self.tokenizer, v.input_ids[-5:], v.stop),
                 special_ids=frozenset(self.tokenizer.all_special_ids), seed=seed, constraint=constraint,
@@ -128,6 +128,13 @@ class Service:
             if watcher is not None:
                 watcher.cancel()
             self.engine.cancel(job)
+
+
+def may_speculate(v: Validated, constraint) -> bool:
+    """Drafts are verified by plain sampling (shard/sampling.py verify): not under penalties, which would need
+    each draft's history, top tokens, or a grammar's mask, which is one step's."""
+    p = v.sampling
+    return constraint is None and p.repetition_penalty in (0.0, 1.0) and not p.frequency_penalty and not p.top_n_tokens
 
 
 async def _watch(job: Job, http, interval: float = 0.25) -> None:

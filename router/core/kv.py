@@ -137,7 +137,7 @@ class KVManager:
         req.blocks.extend(growth.new_blocks)
         if self.window is not None:
             growth.window_dropped, growth.new_window_blocks = self.window.advance(req, req.computed, n)
-        self._name_full_blocks(req, req.computed + n)
+        self._name_full_blocks(req, min(req.computed + n, req.num_tokens))  # never drafts: they may be rejected
         return growth
 
     def offload(self, req: Request) -> list[tuple[int, int]]:

@@ -43,6 +43,7 @@ class Request:
     window_blocks: list[int] = field(default_factory=list)  # hybrid models: the sliding layers' blocks
     window_base: int = 0  # logical index of window_blocks[0]
     after: Optional["Request"] = None  # another choice of the same prompt (n, best_of), whose prompt it shares
+    speculate: bool = False  # may propose drafts (router/core/speculation.py): its sampling allows it
 
     @property
     def gated(self) -> bool:

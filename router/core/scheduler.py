@@ -38,6 +38,7 @@ from typing import Optional
 from router.core.kv import KVManager
 from router.core.pacing import Pacer
 from router.core.request import Request, State
+from router.core.speculation import Speculator
 from router.core.step import Entry, Outcome, Step
 
 # The policies, each with its default safety margin (transformers' continuous batching uses the same values).
@@ -59,7 +60,7 @@ def _rank(r: Request) -> tuple:
 
 class Scheduler:
     def __init__(self, budget: Budget, kv: KVManager, policy: str = "fifo", safety_margin: float = 0.0,
-                 pacer: Optional[Pacer] = None):
+                 pacer: Optional[Pacer] = None, speculator: Optional[Speculator] = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduler policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.budget = budget
@@ -67,6 +68,7 @@ class Scheduler:
         self.policy = policy
         self.safety_margin = safety_margin
         self.pacer = pacer
+        self.speculator = speculator if kv.window is None else None  # a window table cannot take drafts back
         self.waiting: list[Request] = []    # by rank
         self.offloaded: list[Request] = []  # by rank
         self.running: list[Request] = []
@@ -103,14 +105,22 @@ class Scheduler:
             token = outcome.tokens.get(req.id)
             if not e.sample or token is None or req.state is not State.RUNNING:
                 continue
-            req.generated.append(token)
-            if token in req.stop_ids:
-                self.finish(req, "eos_token")
-            elif req.is_done_generating:
-                self.finish(req, "length")
-            else:
-                continue
-            finished.append(req)
+            produced = [token] + outcome.more.get(req.id, [])[:len(e.drafts)]
+            for token in produced:
+                req.generated.append(token)
+                if token in req.stop_ids:
+                    self.finish(req, "eos_token")
+                elif req.is_done_generating:
+                    self.finish(req, "length")
+                else:
+                    continue
+                break
+            if e.drafts:
+                self.speculator.observe(req, len(e.drafts), len(produced) - 1)
+            if req.state is State.FINISHED:
+                finished.append(req)
+            elif e.drafts:
+                req.computed = req.num_tokens - 1  # the accepted drafts' KV stays; the rest is overwritten later
         return finished
 
     def finish(self, req: Request, reason: Optional[str] = None) -> None:
@@ -121,6 +131,8 @@ class Scheduler:
         self.kv.release(req)
         req.state = State.FINISHED
         req.finish_reason = reason
+        if self.speculator is not None:
+            self.speculator.forget(req)
 
     def _plan(self, step: Step) -> None:
         held = self.held_tokens
@@ -136,8 +148,9 @@ class Scheduler:
                 if req.is_decoding:
                     room = self._make_room(req, held, scheduled, step)
                     if room is not None:
-                        held = room + 1
-                        self._schedule(step, req, 1, scheduled)
+                        drafts = self._drafts(req, len(decodes), room + 1)
+                        held = room + 1 + len(drafts)
+                        self._schedule(step, req, 1 + len(drafts), scheduled, drafts)
                     continue
                 n = max(0, min(req.remaining, prefill_left, self.budget.max_batch_total_tokens - held,
                                self.kv.room(req)))
@@ -215,13 +228,22 @@ class Scheduler:
             self._schedule(step, req, n, scheduled)
         return len(plan)
 
-    def _schedule(self, step: Step, req: Request, n: int, scheduled: set[int]) -> None:
+    def _drafts(self, req: Request, decodes: int, held: int) -> list[int]:
+        """Speculation's proposals for a decode, within its blocks' room, the token budget and max_new_tokens."""
+        if self.speculator is None or not req.speculate:
+            return []
+        room = min(self.kv.room(req) - 1, self.budget.max_batch_total_tokens - held,
+                   req.max_new_tokens - len(req.generated) - 1)
+        return self.speculator.propose(req, decodes, room)
+
+    def _schedule(self, step: Step, req: Request, n: int, scheduled: set[int], drafts: list[int] = ()) -> None:
         first = not req.on_shards
         growth = self.kv.grow(req, n)
         window_blocks = list(req.window_blocks) if first else growth.new_window_blocks  # a first step: all of it
         sent_blocks = list(req.blocks) if first else growth.new_blocks  # a first step carries its shared prefix
-        step.entries.append(Entry(req, req.computed, n, sent_blocks, req.computed + n == req.num_tokens, first,
-                                  req.is_decoding, window_blocks, growth.window_dropped))
+        sample = req.computed + n - len(drafts) == req.num_tokens
+        step.entries.append(Entry(req, req.computed, n, sent_blocks, sample, first, req.is_decoding, window_blocks,
+                                  growth.window_dropped, list(drafts)))
         req.computed += n
         req.on_shards = True
         scheduled.add(req.id)

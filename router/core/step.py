@@ -10,7 +10,13 @@ from router.core.request import Request
 
 @dataclass
 class Entry:
-    """One request's share of a step: tokens[start:start + num_tokens], blocks appended first."""
+    """One request's share of a step: tokens[start:start + num_tokens] (the last of them its drafts, if any),
+    blocks appended first."""
+
+    @property
+    def input_ids(self) -> list[int]:
+        known = self.request.tokens[self.start:self.start + self.num_tokens - len(self.drafts)]
+        return known + self.drafts if self.drafts else known
     request: Request
     start: int
     num_tokens: int
@@ -20,6 +26,7 @@ class Entry:
     decode: bool
     new_window_blocks: list[int] = field(default_factory=list)
     window_dropped: int = 0
+    drafts: list[int] = field(default_factory=list)  # speculation: proposed tokens after the last known one
 
 
 @dataclass
@@ -61,3 +68,4 @@ class Outcome:
     runs (router/engine.py ends those requests with `Scheduler.finish`)."""
     tokens: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long the step took (0: not measured); the pacer learns from it
+    more: dict[int, list[int]] = field(default_factory=dict)  # speculation: the tokens after each first one

@@ -15,6 +15,7 @@ from conftest import Server, assert_idle, metric, stream_events
 from test_api_errors import post
 from test_correctness import prompts
 from test_lifecycle import children
+from test_speculation_e2e import grounded
 from test_tensor_parallel import serve_all
 
 HUNG_WITHIN = 15  # s from a shard's SIGSTOP to /health 503, at the default flags (the issue's promise)
@@ -23,9 +24,10 @@ WAIT = 300  # s any wait here gives up after: a bound on a hang, not a timing
 
 @pytest.fixture(scope="module")
 def tp3():
-    """The deadline flags at their defaults (--shard-timeout 60): a hang is found by the router's Health probes."""
+    """The deadline flags at their defaults (--shard-timeout 60): a hang is found by the router's Health probes.
+    Speculation on: every rank must take a request's cache back to what rank 0 accepted."""
     s = Server("--num-shard", "3", "--max-batch-prefill-tokens", "64", "--max-batch-total-tokens", "8192",
-               "--max-total-tokens", "1024")
+               "--max-total-tokens", "1024", "--speculate", "4")
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -35,6 +37,10 @@ def test_three_shards_match_transformers(tp3, reference):
     assert tp3.info()["num_shard"] == 3
     for ids, ours in zip(all_ids, serve_all(tp3, all_ids, 12)):
         reference.assert_same_greedy(ids, ours, 12)
+    ids = grounded(reference.tokenizer)  # alone: it drafts, and rank 0's verdicts rule every rank's cache
+    accepted = metric(tp3.url, "cb_speculation_accepted_tokens_total")
+    reference.assert_same_greedy(ids, serve_all(tp3, [ids], 32)[0], 32)
+    assert metric(tp3.url, "cb_speculation_accepted_tokens_total") > accepted
 
 
 class Streams:

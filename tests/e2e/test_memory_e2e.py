@@ -21,14 +21,16 @@ STORIES = [
 ]
 COUNTERS = ["cb_prefill_chunks_total", "cb_offloads_total", "cb_restores_total", "cb_preemptions_total",
             "cb_prefix_cache_hit_blocks_total"]
+SPECULATION = ["cb_speculation_proposed_tokens_total"]
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=[0, 4], ids=["plain", "speculate"])
+def tiny(request):
     """24 blocks of 16 tokens (384 tokens) for up to eight requests, a swap pool of about eight blocks, and a
-    64-token prefill budget: far more demand than room."""
+    64-token prefill budget: far more demand than room; then the same with speculation's drafts taking room too."""
     s = Server("--num-blocks", "24", "--max-batch-prefill-tokens", "64", "--max-input-tokens", "300",
-               "--max-total-tokens", "384", "--max-batch-size", "8", "--cpu-offload-space", "0.0055")
+               "--max-total-tokens", "384", "--max-batch-size", "8", "--cpu-offload-space", "0.0055",
+               "--speculate", str(request.param))
     yield s
     s.stop()
 
@@ -37,7 +39,7 @@ def test_tiny_pool_every_memory_path_with_exact_tokens(tiny, reference):
     tok = reference.tokenizer
     info = tiny.info()
     assert info["num_blocks"] == 24 and 4 <= info["num_swap_blocks"] <= 12, info
-    before = {name: metric(tiny.url, name) for name in COUNTERS}
+    before = {name: metric(tiny.url, name) for name in COUNTERS + SPECULATION}
 
     shared = [tok(PREFIX + q)["input_ids"] for q in ("Which bird dives deepest?", "Where do puffins nest?",
                                                      "What do terns eat?")]
@@ -56,9 +58,10 @@ def test_tiny_pool_every_memory_path_with_exact_tokens(tiny, reference):
     with ThreadPoolExecutor(len(jobs)) as pool:
         list(pool.map(send, range(len(jobs))))
 
-    ran = {name: metric(tiny.url, name) - before[name] for name in COUNTERS}
+    ran = {name: metric(tiny.url, name) - before[name] for name in COUNTERS + SPECULATION}
     print(ran)
     assert all(ran[name] > 0 for name in COUNTERS), f"a memory path never ran: {ran}"
+    assert (ran["cb_speculation_proposed_tokens_total"] > 0) == (info["speculate"] > 0), ran
     assert ran["cb_restores_total"] == ran["cb_offloads_total"]
 
     reference.assert_same_greedy(shared[0], [t["id"] for t in first["details"]["tokens"]], 8)

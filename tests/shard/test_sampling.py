@@ -153,3 +153,22 @@ def test_a_mask_keeps_only_its_tokens(do_sample):
         assert token in allowed and other in (1, 2) and math.isfinite(logprob)
         if not do_sample:
             assert token == max(allowed, key=lambda t: rows[0, t])
+
+
+@pytest.mark.parametrize("draft", [0, 3, 7])
+def test_verified_drafts_leave_the_sampled_distribution_unchanged(draft):
+    """Speculation's rejection rule: whatever the draft (the most likely token, a middling one, an unlikely one),
+    the first token verify() produces is distributed as sample() draws it; greedy verification is the argmax."""
+    from shard.sampling import verify
+    row = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    p = Params(do_sample=True, temperature=1.0)
+    expected = row[0].softmax(-1)
+    draws = 6000
+    counts = torch.zeros(8)
+    for seed in range(draws):
+        p.seed = seed
+        counts[verify(row.repeat(2, 1), [draft], p, 5)[0][0]] += 1
+    sigma = (expected * (1 - expected) / draws).sqrt()
+    assert ((counts / draws - expected).abs() <= 5 * sigma + 1e-3).all(), (counts / draws, expected)
+    greedy = verify(torch.stack([row[0], row[0].flip(0)]), [0], Params(), 5)
+    assert [t for t, _ in greedy] == [0, 7]  # the draft is the argmax: accepted, then the next row's argmax

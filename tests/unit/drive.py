@@ -25,7 +25,7 @@ def check(s: Scheduler, step: Step) -> None:
         r = e.request
         assert r in s.running and r.state is State.RUNNING
         assert e.num_tokens > 0 and e.start + e.num_tokens == r.computed
-        assert e.sample == (r.computed == r.num_tokens)
+        assert e.sample == (r.computed - len(e.drafts) == r.num_tokens)  # drafts: proposed, not yet known
         assert set(e.new_blocks) <= set(r.blocks)
     for r in s.running:
         assert len(r.blocks) * pool.block_size >= r.computed, f"request {r.id} lacks blocks"

@@ -143,7 +143,7 @@ def test_alive_shards_that_fail_a_step_fail_only_that_steps_requests():
 class BrokenStream(Job):
     """A job whose stream breaks while its last token is delivered (after the scheduler retired it)."""
 
-    def on_token(self, g, piece):
+    def on_token(self, g, piece, last=True):
         raise RuntimeError("the stream broke")
 
 
