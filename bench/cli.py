@@ -19,8 +19,8 @@ import typer
 
 from bench import baselines, client, stats
 from bench.server import launch_server, stop_server
-from bench.workloads import (DEFAULT_WORKLOAD, Req, arrival_times, describe, load_w64, parse_rate,
-                             random_workload, text_workload)
+from bench.workloads import (DEFAULT_WORKLOAD, GROUNDED, Req, arrival_times, describe, grounded_workload, load_w64,
+                             parse_rate, random_workload, text_workload)
 from router.api.info import Info
 from router.core.allocator import ceil_div
 from router.settings import Settings
@@ -39,17 +39,23 @@ def build_workload(name: str, path: Optional[Path], n: Optional[int], input_len:
     elif name == "text":
         if path is None:
             raise typer.BadParameter("--dataset-name text needs --dataset-path (one prompt per line)")
-        tokenizer = None
-        try:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(model_dir or resolved_model(DEFAULTS.model_id))
-        except Exception as e:  # the server tokenizes anyway; lengths are then unknown here
-            typer.echo(f"no local tokenizer ({e}); prompt lengths will show as 0", err=True)
-        reqs = text_workload(path, output_len, n, tokenizer)
+        reqs = text_workload(path, output_len, n, local_tokenizer(model_dir))
+    elif name == "grounded":
+        reqs = grounded_workload(path or GROUNDED, n, local_tokenizer(model_dir))
     else:
-        raise typer.BadParameter(f"unknown dataset {name!r}: w64, random or text")
+        raise typer.BadParameter(f"unknown dataset {name!r}: w64, random, text or grounded")
     typer.echo(f"workload: {name} {path or ''} ({describe(reqs)})")
     return reqs
+
+
+def local_tokenizer(model_dir: Optional[str]):
+    """The model's tokenizer for prompt lengths (the server tokenizes anyway): None, with a note, without one."""
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model_dir or resolved_model(DEFAULTS.model_id))
+    except Exception as e:
+        typer.echo(f"no local tokenizer ({e}); prompt lengths will show as 0", err=True)
+        return None
 
 
 def resolved_model(model_id: str) -> str:
@@ -90,7 +96,8 @@ def main(
     backend: str = typer.Option("tgi", help="tgi (/generate_stream) or openai (/v1/completions: llama.cpp, vLLM)."),
     label: str = typer.Option("cb", help="What the server is called in the report."),
     port: int = typer.Option(DEFAULTS.port, help="Port, used for --launch and the default URL."),
-    dataset_name: str = typer.Option("w64", help="w64 (exact), random, or text."),
+    dataset_name: str = typer.Option("w64", help="w64 (exact), random, text, or grounded (repeat or edit a passage "
+                                     "in the prompt: where --speculate pays; bench/data/grounded.json)."),
     dataset_path: Optional[Path] = typer.Option(None, help="text: a file with one prompt per line."),
     workload: Path = typer.Option(DEFAULT_WORKLOAD, help="The W64 JSON file (--dataset-name w64)."),
     num_prompts: Optional[int] = typer.Option(None, help="Requests (random: 64; w64/text: the whole file)."),

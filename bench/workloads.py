@@ -83,6 +83,22 @@ def text_workload(path: Path, output_len: int, n: Optional[int] = None, tokenize
     return out
 
 
+GROUNDED = Path(__file__).resolve().parent / "data" / "grounded.json"
+
+
+def grounded_workload(path: Path = GROUNDED, n: Optional[int] = None, tokenizer=None) -> list[Req]:
+    """Requests that repeat or lightly edit a passage their prompt holds (where speculation pays), sent as text,
+    each with its own max_new_tokens; cycled to `n` requests."""
+    items = json.loads(Path(path).read_text())["requests"]
+    out = []
+    for i in range(n or len(items)):
+        item = items[i % len(items)]
+        ids = tokenizer(item["prompt"])["input_ids"] if tokenizer is not None else None
+        out.append(Req(i, len(ids) if ids is not None else 0, item["max_new_tokens"], text=item["prompt"],
+                       tokenized=ids))
+    return out
+
+
 def token_ids(req: Req) -> list[int]:
     """The ids an in-process baseline feeds the model."""
     ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized
