@@ -2,6 +2,7 @@
 the batching loop running; on SIGTERM/SIGINT it drains (503 for new work, in-flight requests finish) and exits 0."""
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -80,6 +81,7 @@ def http_app(settings: Settings, svc, sockets: list[str]):
     async def lifespan(_: FastAPI):
         shards = Shards(sockets, settings.shard_timeout)
         svc.engine, svc.info = await start_engine(settings, shards)
+        gc.freeze()  # start-up's objects (transformers, the tokenizer) are permanent: full collections skip them
         loop_task = asyncio.create_task(svc.engine.run())
         yield
         loop_task.cancel()

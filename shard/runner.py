@@ -4,6 +4,7 @@ The runner keeps, per running request, what the router need not resend: sampling
 tables and the number of cached tokens (and the token history, for penalties).
 """
 import copy
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -270,6 +271,7 @@ class Runner:
         if self.compiled.race:
             self.compiled.race_single(self.scratch(1)._one_token_requests)
         self.compiled.ready = True
+        gc.freeze()  # what compiling made lives as long as the process: out of the collector's way (server.Warmup)
 
     def _one_token_requests(self, n: int) -> None:
         """A step of n requests with a one-token prompt each (n rows), in n fresh blocks."""
