@@ -27,7 +27,8 @@ If nothing at all could be scheduled, the worst-ranked running request is evicte
 
 After the step ran, `update` applies its outcome: the one place where a sampled token joins its request and the
 request finishes (a stop token, max_new_tokens) and leaves, and the pacer learns how long
-the step took. The engine, the simulator and the
+the step took. With speculation (speculation.py) a decode may carry drafts after its token: the drafts it
+accepted join it too, and its cache is taken back past the rest. The engine, the simulator and the
 tests all drive the scheduler through schedule() and update(). Every block decision goes through the KV
 manager (kv.py). Pure Python: no torch, no grpc, no asyncio.
 """
@@ -229,10 +230,13 @@ class Scheduler:
         return len(plan)
 
     def _drafts(self, req: Request, decodes: int, held: int) -> list[int]:
-        """Speculation's proposals for a decode, within its blocks' room, the token budget and max_new_tokens."""
+        """Speculation's proposals for a decode: within the blocks it holds and the free blocks beyond one for
+        each running request (drafts never make a decode evict), the token budget and max_new_tokens."""
         if self.speculator is None or not req.speculate:
             return []
-        room = min(self.kv.room(req) - 1, self.budget.max_batch_total_tokens - held,
+        bs = self.kv.block_size
+        spare = max(0, self.kv.pool.num_free - len(self.running)) * bs
+        room = min(len(req.blocks) * bs - req.computed - 1 + spare, self.budget.max_batch_total_tokens - held,
                    req.max_new_tokens - len(req.generated) - 1)
         return self.speculator.propose(req, decodes, room)
 
