@@ -168,6 +168,18 @@ class TGIRoutes:
     async def info(self) -> Info:
         return await self.svc.current_info()
 
+    async def model_info(self):
+        """SGLang's /model_info, which sglang-router reads when a worker registers (to name its model)."""
+        return {"model_path": self.svc.model_name, "tokenizer_path": None, "is_generation": True,
+                "served_model_name": self.svc.model_name}
+
+    async def server_info(self):
+        """SGLang's /server_info, as sglang-router reads it at registration: the model, parallelism, capacity."""
+        info = await self.svc.current_info()
+        return {"model_path": info.model_id, "served_model_name": info.model_id, "tp_size": info.num_shard,
+                "dp_size": 1, "max_total_num_tokens": info.max_batch_total_tokens,
+                "max_running_requests": info.max_batch_size, "version": info.version}
+
     async def prometheus(self):
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -181,3 +193,7 @@ def install_tgi_routes(app: FastAPI, svc: Service) -> None:
     app.get("/health")(routes.health)
     app.get("/info", response_model=Info)(routes.info)
     app.get("/metrics")(routes.prometheus)
+    for path in ("/model_info", "/get_model_info"):  # SGLang's names (and their older ones) for replicas behind
+        app.get(path, include_in_schema=False)(routes.model_info)  # sglang-router (docs/operations.md)
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path, include_in_schema=False)(routes.server_info)

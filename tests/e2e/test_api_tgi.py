@@ -151,3 +151,16 @@ def test_non_streaming_client_that_leaves_is_cancelled(server):
                    json={"inputs": SHORT[5], "parameters": {"max_new_tokens": 400, "ignore_eos": True}})
     wait_for(lambda: _outcome(server.url, "cancelled") == cancelled_before + 1)
     assert_idle(server.url, timeout=60)
+
+
+def test_sglang_router_probes_are_answered(server):
+    """sglang-router registers a worker by reading SGLang's /model_info and /server_info (or their older /get_
+    names): cb answers both, naming its model, so the balancer routes OpenAI requests to it by that name."""
+    info = server.info()
+    for path in ("/model_info", "/get_model_info"):
+        body = httpx.get(server.url + path, timeout=10).json()
+        assert body["model_path"] == body["served_model_name"] == info["model_id"] and body["is_generation"]
+    for path in ("/server_info", "/get_server_info"):
+        body = httpx.get(server.url + path, timeout=10).json()
+        assert body["served_model_name"] == info["model_id"] and body["tp_size"] == info["num_shard"]
+        assert body["max_total_num_tokens"] == info["max_batch_total_tokens"]
