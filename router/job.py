@@ -46,6 +46,11 @@ class Job:
     def id(self) -> int:
         return self.request.id
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """How likely its text was: what best_of ranks choices by."""
+        return sum(t.logprob for t in self.tokens)
+
     def on_scheduled(self) -> None:
         """Its queue time ends at its first step; a soft reset or a shard restart does not start it again."""
         if self.scheduled_at is None:

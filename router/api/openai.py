@@ -72,21 +72,6 @@ class OpenAIRoutes:
                 e.param = e.param or (named.group(1) if named else None)
             raise
 
-    async def run(self, jobs: list[Job], http: HttpRequest) -> None:
-        """Follows non-streamed jobs to their end; an error or a vanished client becomes an APIError (and the
-        other choices are cancelled)."""
-        async def one(job: Job) -> None:
-            async for kind, payload in self.svc.events(job, http):
-                if kind == "error":
-                    raise APIError(424, payload, "generation")
-            if job.finish_reason is None:
-                raise APIError(499, "client closed the request", "cancelled")
-        try:
-            await asyncio.gather(*[one(job) for job in jobs])
-        finally:
-            for job in jobs:
-                self.svc.engine.cancel(job)
-
     async def choice_events(self, index: int, job: Job, stop: list[str], head: dict, chunk: Chunk,
                             with_logprobs: bool, first: Optional[dict], tools: Optional[Tools]):
         """One choice's SSE chunks: `chunk` shapes it; `first` is sent before any token; with `tools`, the text
@@ -159,7 +144,7 @@ class OpenAIRoutes:
             return StreamingResponse(self.stream(jobs, params.stop, self.head(jobs[0], "chatcmpl", "chat.completion.chunk"),
                                                  [chunk] * len(jobs), bool(req.logprobs), include_usage, first, tools),
                                      media_type="text/event-stream")
-        await self.run(jobs, http)
+        await self.svc.follow(jobs, http)
         choices = []
         for job in jobs:
             message = {"role": "assistant", "content": cut_at_stop(self.svc.text(job), params.stop)}
@@ -198,19 +183,15 @@ class OpenAIRoutes:
                                                  [chunk_for() for _ in jobs], req.logprobs is not None,
                                                  include_usage, first),
                                      media_type="text/event-stream")
-        await self.run(jobs, http)
+        await self.svc.follow(jobs, http)
         if best_of > n:  # the n most likely, as OpenAI's best_of
-            jobs = sorted(jobs, key=cumulative_logprob, reverse=True)[:n]
+            jobs = sorted(jobs, key=lambda j: j.cumulative_logprob, reverse=True)[:n]
         choices = []
         for job in jobs:
             text = echo + cut_at_stop(self.svc.text(job), params.stop)
             logprobs = completion_logprobs(self.vocab, job.tokens, top_n) if req.logprobs is not None else None
             choices.append({"text": text, "logprobs": logprobs})
         return self.respond(jobs, "cmpl", "text_completion", choices)
-
-
-def cumulative_logprob(job: Job) -> float:
-    return sum(t.logprob for t in job.tokens)
 
 
 async def merged(sources: list):

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from proto import generate_pb2 as pb
 from router import metrics
 from router.api.errors import APIError
 from router.api.info import Info
@@ -13,7 +14,6 @@ from router.core.request import Request
 from router.detokenizer import Detokenizer
 from router.engine import Engine
 from router.grammar import Constraint, GrammarError, Grammars
-from proto import generate_pb2 as pb
 from router.job import Job
 from router.shards import ShardError
 
@@ -93,6 +93,21 @@ class Service:
             return v, [self.grammars.compile(v.grammar) for _ in range(n)]
         except GrammarError as e:
             raise ValidationError(f"`grammar`: {e}") from None
+
+    async def follow(self, jobs: list[Job], http) -> None:
+        """Follows non-streamed jobs (one request's choices) to their end: an error event becomes a 424, a client
+        gone a 499, and either cancels the other choices."""
+        async def one(job: Job) -> None:
+            async for kind, payload in self.events(job, http):
+                if kind == "error":
+                    raise APIError(424, payload, "generation")
+            if job.finish_reason is None:
+                raise APIError(499, "client closed the request", "cancelled")
+        try:
+            await asyncio.gather(*[one(job) for job in jobs])
+        finally:
+            for job in jobs:
+                self.engine.cancel(job)
 
     async def current_info(self) -> Info:
         """/info, with the step sizes' compile as the shards report it now while it is not over (it runs in the

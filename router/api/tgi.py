@@ -83,19 +83,8 @@ class TGIRoutes:
         """One answer; with best_of > 1, that many sampled choices (seed + i each), the answer the most likely
         by cumulative logprob and the others in details.best_of_sequences, as TGI has it."""
         jobs = await self.svc.start_choices(body, body.parameters.best_of or 1)
-
-        async def follow(job: Job) -> None:
-            async for kind, payload in self.svc.events(job, http):
-                if kind == "error":
-                    raise APIError(424, payload, "generation")
-            if job.finish_reason is None:
-                raise APIError(499, "client closed the request", "cancelled")
-        try:
-            await asyncio.gather(*[follow(job) for job in jobs])
-        finally:
-            for job in jobs:
-                self.svc.engine.cancel(job)
-        best = max(jobs, key=lambda j: sum(t.logprob for t in j.tokens))
+        await self.svc.follow(jobs, http)
+        best = max(jobs, key=lambda j: j.cumulative_logprob)
         out = {"generated_text": self.final_text(best, body)}
         if body.parameters.details:
             out["details"] = full_details_json(best, self.svc, body)
