@@ -121,7 +121,7 @@ def verify(logits: torch.Tensor, drafts: list[int], p: Params, position: int) ->
             warped = finite(warp(row.float(), p)).log_softmax(-1)
             if bool(warped.isfinite().any()):
                 logprobs = warped
-            gen = torch.Generator(device=row.device).manual_seed((p.seed * 1_000_003 + position + i) % (2**63))
+            gen = generator(p, position + i, row.device)
             if i < len(drafts):
                 d = drafts[i]
                 if float(torch.rand((), generator=gen, device=row.device)) < float(logprobs[d].exp()):
@@ -138,9 +138,13 @@ def verify(logits: torch.Tensor, drafts: list[int], p: Params, position: int) ->
     return out
 
 
+def generator(p: Params, position: int, device: torch.device) -> torch.Generator:
+    """The draws for the token at `position`: seeded from (seed, position) alone."""
+    return torch.Generator(device=device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
+
+
 def sample_one(logprobs: torch.Tensor, p: Params, position: int) -> int:
-    gen = torch.Generator(device=logprobs.device).manual_seed((p.seed * 1_000_003 + position) % (2**63))
-    return int(torch.multinomial(logprobs.exp(), 1, generator=gen))
+    return int(torch.multinomial(logprobs.exp(), 1, generator=generator(p, position, logprobs.device)))
 
 
 def sample(logits: torch.Tensor, params: list[Params], histories: list, positions: list[int]):
