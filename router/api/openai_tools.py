@@ -9,6 +9,7 @@
 - "auto" (the default with tools): the output is free; `<tool_call>` blocks in it become calls, the text before
   them the message's content. "none": the tools are not shown and the answer is text.
 """
+import copy
 import json
 import re
 import uuid
@@ -171,7 +172,7 @@ class ToolStream:
                 return [{"content": self.text}] if finished and self.text else []
             self.call = new_call(json.loads(head.group(1)), "")
             self.sent = head.end()
-            out.append({"tool_calls": [{"index": 0, **json.loads(json.dumps(self.call))}]})  # a copy: it grows
+            out.append({"tool_calls": [{"index": 0, **copy.deepcopy(self.call)}]})  # a copy: its arguments grow
         end = len(self.text) - 1 if finished and self.text.endswith("}") else len(self.text) - (not finished)
         if end > self.sent:
             out.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[self.sent:end]}}]})
