@@ -153,6 +153,15 @@ def server():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The real `openai` client on the shared server (test_tgi_client.py's own `client` is text-generation's)."""
+    import openai
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
+    yield c
+    c.close()
+
+
 def metric(url: str, name: str) -> float:
     """Reads one sample from /metrics with prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -4,7 +4,6 @@ cache: a metric shows it), streams carry each choice's index, and best_of keeps 
 import json
 
 import httpx
-import openai
 import pytest
 from text_generation import Client
 
@@ -12,13 +11,6 @@ from conftest import assert_idle, metric
 from test_api_errors import post
 
 PROMPT = "Write a short poem about the sea. " * 6  # ~42 tokens: full blocks and a partial one
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 def test_n_choices_equal_single_requests_with_their_seeds_and_share_the_prompt(server, client, reference):

@@ -13,13 +13,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
 def ref_chat(reference, messages, n):
     ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return ids, reference.generate(ids, n)

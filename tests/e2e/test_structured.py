@@ -7,7 +7,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import pytest
 from text_generation import Client
 from text_generation.types import Grammar, GrammarType
@@ -41,13 +40,6 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
                    "required": ["timezone"], "additionalProperties": False}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 def person_format(schema=PERSON) -> dict:
