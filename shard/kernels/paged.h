@@ -43,5 +43,16 @@ static inline const char *block_run(const char *cache, long block_size, const in
     return cache + (head_base + table[p / block_size] * block_size + off) * row_bytes;
 }
 
+/* Every key of one cache from `first` to first + n requested at once, so that their misses overlap. */
+static inline void prefetch_run(const char *cache, long block_size, const int64_t *table, long head_base,
+                                long key_start, long first, long n, long row_bytes) {
+    for (long p = first - key_start, end = p + n; p < end;) {
+        long off = p % block_size, take = block_size - off < end - p ? block_size - off : end - p;
+        const char *row = cache + (head_base + table[p / block_size] * block_size + off) * row_bytes;
+        for (long b = 0; b < take * row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+        p += take;
+    }
+}
+
 #endif
 #endif

@@ -6,7 +6,8 @@
  * [heads, tokens, dim] with any strides, in the same dtype as the cache. Scores, softmax and sums are float32.
  * Built by shard/paged_kernel.py with the machine's own compiler flags (-O3 -march=native -fopenmp). Where the
  * compiler targets AVX-512 the maths is written in its intrinsics (2x the plain loops, which it vectorised with a
- * horizontal sum per dot product and a scalar maximum); elsewhere the plain loops run.
+ * horizontal sum per dot product and a scalar maximum), and with AVX512-BF16 a bf16 cache's scores are bf16 dot
+ * products; elsewhere the plain loops run.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +19,7 @@
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
+#define PREFETCH_KEYS 512  /* x dim x 2 caches: 128 KB of a bf16 cache at dim 64, well inside L2 */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -40,9 +42,44 @@ static inline __m512 sum16(__m512 *x) {
 }
 
 
+/* Softmax of the scores (mx: each query's running maximum), then the weighted values into acc, normalised. */
+static inline __attribute__((always_inline)) void softmax_pv(
+    const char *v_cache, long block_size, const int64_t *table, long head_base, long key_start, long first, long n,
+    long group, const long C, int bf16, float *scores, __m512 *mx, float (*acc)[MAX_DIM]) {
+    const long esize = bf16 ? 2 : 4, dim = C * 16;
+    float inv[MAX_GROUP];
+    for (long g = 0; g < group; g++) {
+        float *sg = scores + g * n;
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[g])), sum = _mm512_setzero_ps();
+        for (long i = 0; i < n; i += 16) {
+            __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+            __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + i), m));
+            e = _mm512_maskz_mov_ps(live, e);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(sg + i, live, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 a[MAX_GROUP][MAX_DIM / 16];
+    for (long g = 0; g < group; g++)
+        for (long c = 0; c < C; c++) a[g][c] = _mm512_setzero_ps();
+    for (long i = 0, take; i < n; i += take) {
+        const char *vb = block_run(v_cache, block_size, table, head_base, key_start, first, i, n, dim * esize, &take);
+        for (long j = 0; j < take; j++)
+            for (long c = 0; c < C; c++) {
+                __m512 v = load16(vb, j * dim + 16 * c, bf16);
+                for (long g = 0; g < group; g++)
+                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + i + j]), v, a[g][c]);
+            }
+    }
+    for (long g = 0; g < group; g++)
+        for (long c = 0; c < C; c++)
+            _mm512_storeu_ps(acc[g] + 16 * c, _mm512_mul_ps(a[g][c], _mm512_set1_ps(inv[g])));
+}
+
 /* attend_one's maths for dim a multiple of 16 (C = dim / 16 vectors a row): sixteen keys scored at once, the
  * running maximum kept from the scores, softmax in vectors, its 1/sum applied once to the output, and the next
- * block prefetched while this one is read (every block is its own 4 KB, where the hardware prefetcher stops).
+ * block prefetched while this one is read (every block is its own 2 KB at dim 64, where the hardware prefetcher stops).
  * Inlined with constant C and bf16 for the common shapes. Writes acc normalised. */
 static inline __attribute__((always_inline)) void attend_avx512(
     const float (*qf)[MAX_DIM], const char *k_cache, const char *v_cache, long block_size, const int64_t *table,
@@ -72,34 +109,43 @@ static inline __attribute__((always_inline)) void attend_avx512(
             }
         }
     }
-    float inv[MAX_GROUP];
-    for (long g = 0; g < group; g++) {
-        float *sg = scores + g * n;
-        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[g])), sum = _mm512_setzero_ps();
-        for (long i = 0; i < n; i += 16) {
-            __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-            __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + i), m));
-            e = _mm512_maskz_mov_ps(live, e);
-            sum = _mm512_add_ps(sum, e);
-            _mm512_mask_storeu_ps(sg + i, live, e);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-    __m512 a[MAX_GROUP][MAX_DIM / 16];
-    for (long g = 0; g < group; g++)
-        for (long c = 0; c < C; c++) a[g][c] = _mm512_setzero_ps();
+    softmax_pv(v_cache, block_size, table, head_base, key_start, first, n, group, C, bf16, scores, mx, acc);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* As attend_avx512 for a bfloat16 cache, with scores from AVX512-BF16 dot products of the raw bf16 query and keys
+ * (pairs multiplied exactly, summed in float32; no widening), scaled afterwards. */
+static inline __attribute__((always_inline)) void attend_dp(
+    const __m512bh (*qb)[MAX_DIM / 32], const char *k_cache, const char *v_cache, long block_size,
+    const int64_t *table, long head_base, long key_start, long first, long n, long group, const long C, float scale,
+    float *scores, float (*acc)[MAX_DIM]) {
+    const long dim = C * 16, C2 = C / 2;
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 mx[MAX_GROUP];
+    for (long g = 0; g < group; g++) mx[g] = _mm512_set1_ps(-INFINITY);
     for (long i = 0, take; i < n; i += take) {
-        const char *vb = block_run(v_cache, block_size, table, head_base, key_start, first, i, n, dim * esize, &take);
-        for (long j = 0; j < take; j++)
-            for (long c = 0; c < C; c++) {
-                __m512 v = load16(vb, j * dim + 16 * c, bf16);
-                for (long g = 0; g < group; g++)
-                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + i + j]), v, a[g][c]);
+        const char *kb = block_run(k_cache, block_size, table, head_base, key_start, first, i, n, dim * 2, &take);
+        for (long j0 = 0; j0 < take; j0 += 16) {
+            long m = take - j0 < 16 ? take - j0 : 16;
+            for (long g = 0; g < group; g++) {
+                __m512 x[16];
+                for (long j = 0; j < 16; j++) {
+                    __m512 s = _mm512_setzero_ps();
+                    if (j < m)
+                        for (long c = 0; c < C2; c++)
+                            s = _mm512_dpbf16_ps(s, qb[g][c],
+                                (__m512bh)_mm512_loadu_si512((const uint16_t *)kb + (j0 + j) * dim + 32 * c));
+                    x[j] = s;
+                }
+                __mmask16 live = (__mmask16)((1u << m) - 1);
+                __m512 r = _mm512_mul_ps(sum16(x), sc);
+                mx[g] = _mm512_mask_max_ps(mx[g], live, mx[g], r);
+                _mm512_mask_storeu_ps(scores + g * n + i + j0, live, r);
             }
+        }
     }
-    for (long g = 0; g < group; g++)
-        for (long c = 0; c < C; c++)
-            _mm512_storeu_ps(acc[g] + 16 * c, _mm512_mul_ps(a[g][c], _mm512_set1_ps(inv[g])));
+    softmax_pv(v_cache, block_size, table, head_base, key_start, first, n, group, C, 1, scores, mx, acc);
 }
 #endif
 
@@ -178,6 +224,29 @@ static void attend_one(const char *q, long q_sh, long q_st, long row, const char
             qf[g][d] = (bf16 ? from_bf16(((const uint16_t *)src)[d]) : ((const float *)src)[d]) * scale;
     }
     const long head_base = h * num_blocks * block_size;
+#if defined(__AVX512F__)
+    /* all of its keys and values asked for at once (up to PREFETCH_KEYS), so that their misses overlap: a request's
+     * blocks lie anywhere in the cache, where the hardware prefetcher does not follow (~1.4x on a cold cache) */
+    prefetch_run(k_cache, block_size, table, head_base, key_start, first, n < PREFETCH_KEYS ? n : PREFETCH_KEYS,
+                 dim * esize);
+    prefetch_run(v_cache, block_size, table, head_base, key_start, first, n < PREFETCH_KEYS ? n : PREFETCH_KEYS,
+                 dim * esize);
+#endif
+#if defined(__AVX512BF16__)
+    if (bf16 && dim % 32 == 0) {
+        __m512bh qb[MAX_GROUP][MAX_DIM / 32];
+        for (long g = 0; g < group; g++) {
+            const uint16_t *src = (const uint16_t *)(q + ((h * group + g) * q_sh + row * q_st) * esize);
+            for (long c = 0; c < dim / 32; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
+        }
+        if (dim == 64)
+            attend_dp(qb, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, scale, scores,
+                      acc);
+        else
+            attend_dp(qb, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim / 16, scale,
+                      scores, acc);
+    } else
+#endif
 #if defined(__AVX512F__)
     if (dim == 64 && bf16)
         attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 1, scores,
