@@ -140,7 +140,7 @@ def grpc_decode(bench: Bench, batch: int, context: int, steps: int) -> tuple[flo
     entries = bench.prime(batch, context)
     with tempfile.TemporaryDirectory() as tmp:
         sock = str(Path(tmp) / "shard.sock")
-        server = serve(ShardService(bench.loaded, bench.runner, 1), sock)
+        server, _ = serve(ShardService(bench.loaded, bench.runner, 1), sock)
         try:
             with grpc.insecure_channel(f"unix://{sock}") as channel:
                 stub = pb_grpc.ShardStub(channel)

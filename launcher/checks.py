@@ -21,6 +21,12 @@ def check_launch(settings: Settings, model_dir: Path) -> None:
         api_key(settings)
         pacer(settings.prefill_step_ratio)
         compile_sizes.parse(settings.compile_sizes, settings.device)
+        if settings.nnodes > 1 and settings.num_shard % settings.nnodes:
+            raise ValueError(f"--num-shard {settings.num_shard} does not split evenly over --nnodes {settings.nnodes}: "
+                             "every node runs the same number of shards")
+        if settings.node_rank >= settings.nnodes:
+            raise ValueError(f"--node-rank {settings.node_rank}: the nodes are numbered 0 to --nnodes - 1 "
+                             f"({settings.nnodes - 1})")
         if settings.num_shard > 1:
             check_shard_count(split_widths(model_dir, settings), settings.num_shard, settings.model_id)
     except ValueError as error:

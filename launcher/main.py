@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from launcher import nodes
 from launcher.checks import LaunchError, check_launch
 from launcher.children import log
 from launcher.model_files import ModelNotFoundError, resolve_model
@@ -27,12 +28,13 @@ def as_flags(**flags) -> list[str]:
     return [arg for name, value in flags.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
-def shard_argv(settings: Settings, model_dir: Path, rank: int, socket: str, rendezvous: Path) -> list[str]:
+def shard_argv(settings: Settings, model_dir: Path, rank: int, socket: str, rendezvous: str) -> list[str]:
     """`rendezvous`: the file torch.distributed's ranks meet through, beside the sockets, so no port is opened
-    for it."""
+    for it; across nodes, node 0's store (nodes.py)."""
     quantize = as_flags(quantize=settings.quantize) if settings.quantize else []
     return [sys.executable, "-m", "shard", *as_flags(
-        model_dir=model_dir, rank=rank, world_size=settings.num_shard, uds=socket, rendezvous=rendezvous,
+        model_dir=model_dir, rank=rank, world_size=settings.num_shard,
+        local_world_size=settings.num_shard // settings.nnodes, uds=socket, rendezvous=rendezvous,
         dtype=settings.dtype, device=settings.device, block_size=settings.block_size,
         compile_sizes=settings.compile_sizes), *quantize]
 
@@ -47,21 +49,33 @@ def main(settings: Settings):
     except (ModelNotFoundError, LaunchError) as error:
         log("launcher", f"error: {error}")
         raise typer.Exit(2) from None
+    if settings.node_rank > 0:
+        raise typer.Exit(other_node(settings, model_dir))
     own_uds_dir = settings.uds_dir is None
     uds_dir = Path(tempfile.mkdtemp(prefix="cb-")) if own_uds_dir else Path(settings.uds_dir)
     uds_dir.mkdir(parents=True, exist_ok=True)
-    sockets = [str(uds_dir / f"shard-{rank}.sock") for rank in range(settings.num_shard)]
+    local = nodes.ranks(settings)
+    sockets = [str(uds_dir / f"shard-{rank}.sock") for rank in local]
     rendezvous = uds_dir / "rendezvous"
-    shard_argvs = [shard_argv(settings, model_dir, rank, sockets[rank], rendezvous)
-                   for rank in range(settings.num_shard)]
-    router_argv = [sys.executable, "-m", "router", *as_flags(model_dir=model_dir, uds=",".join(sockets))]
-    log("launcher", f"starting {settings.num_shard} shard(s) from {model_dir} ({settings.dtype}, "
-                    f"device {settings.device})")
+    remote = None
+    if settings.nnodes > 1:
+        remote = nodes.Remote(settings)
+        try:
+            remote.host()
+        except Exception as error:  # the port taken, the address not this machine's
+            log("launcher", f"error: cannot open the store at {nodes.store_url(settings)}: {error}")
+            raise typer.Exit(2) from None
+    meet = nodes.store_url(settings) if remote else str(rendezvous)
+    shard_argvs = [shard_argv(settings, model_dir, rank, sockets[i], meet) for i, rank in enumerate(local)]
+    log("launcher", f"starting {len(local)} shard(s) from {model_dir} ({settings.dtype}, device {settings.device})"
+        + (f", node 0 of {settings.nnodes} ({settings.num_shard} shards in all)" if remote else ""))
     try:
         code = Supervisor({ENV: settings.to_json()}, STARTED).run(
-            shard_argvs, sockets, router_argv, router_url(settings.hostname, settings.port),
-            settings.graceful_timeout, settings.max_restarts,
-            before_shards=lambda: rendezvous.unlink(missing_ok=True))  # an old set's store would mislead a new one
+            shard_argvs, sockets,
+            lambda addresses: [sys.executable, "-m", "router", *as_flags(model_dir=model_dir, uds=",".join(addresses))],
+            router_url(settings.hostname, settings.port), settings.graceful_timeout, settings.max_restarts,
+            before_shards=lambda: rendezvous.unlink(missing_ok=True),  # an old set's store would mislead a new one
+            remote=remote)
     finally:
         if own_uds_dir:
             shutil.rmtree(uds_dir, ignore_errors=True)
@@ -69,3 +83,12 @@ def main(settings: Settings):
             for path in [*sockets, rendezvous]:
                 Path(path).unlink(missing_ok=True)
     raise typer.Exit(code)
+
+
+def other_node(settings: Settings, model_dir: Path) -> int:
+    """A node other than 0 runs its ranks only: they serve gRPC on the interface that reaches node 0's store."""
+    local = nodes.ranks(settings)
+    log("launcher", f"starting shards {local.start}-{local.stop - 1} of {settings.num_shard} from {model_dir}, node "
+                    f"{settings.node_rank} of {settings.nnodes}, meeting at {nodes.store_url(settings)}")
+    argvs = [shard_argv(settings, model_dir, rank, "tcp", nodes.store_url(settings)) for rank in local]
+    return Supervisor({ENV: settings.to_json()}, STARTED).run_ranks(argvs, local.start)

@@ -5,18 +5,20 @@ import urllib.request
 import grpc
 
 from proto import generate_pb2, generate_pb2_grpc
+from router.shards import target
 
 # No proxy: the router listens on this machine, and an http_proxy in the environment must not intercept.
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def shard_healthy(socket_path: str, timeout: float = 2.0) -> bool:
-    """Whether the shard answers Health, which it does once its weights are loaded."""
-    if not os.path.exists(socket_path):
+def shard_healthy(address: str, timeout: float = 2.0) -> bool:
+    """Whether the shard at `address` (a socket's path, or host:port) answers Health, which it does once its
+    weights are loaded."""
+    if address.startswith("/") and not os.path.exists(address):
         return False
     # A fresh channel per probe: a long-lived one backs off reconnecting (up to minutes) while a shard
     # loads, and would keep answering UNAVAILABLE after the socket appears.
-    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+    with grpc.insecure_channel(target(address)) as channel:
         try:
             generate_pb2_grpc.ShardStub(channel).Health(generate_pb2.HealthRequest(), timeout=timeout)
             return True

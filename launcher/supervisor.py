@@ -12,6 +12,7 @@ import time
 from typing import Callable, Optional
 
 from launcher.children import Child, describe_exit, log, stop_all
+from launcher.nodes import Remote, RemoteLost
 from launcher.readiness import router_healthy, shard_healthy
 
 FAILURE_STOP_TIMEOUT = 5.0  # s between SIGTERM and SIGKILL when tearing down after a failure
@@ -90,24 +91,38 @@ class Supervisor:
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.started:.1f} s since the launcher started"
 
-    def run(self, shard_argvs: list[list[str]], sockets: list[str], router_argv: list[str], url: str,
-            graceful_timeout: float, max_restarts: int, before_shards: Callable[[], None] = lambda: None) -> int:
+    def run(self, shard_argvs: list[list[str]], sockets: list[str], router_argv: Callable[[list[str]], list[str]],
+            url: str, graceful_timeout: float, max_restarts: int, before_shards: Callable[[], None] = lambda: None,
+            remote: Optional[Remote] = None) -> int:
         """Serves until the router dies or the restarts run out (returns 1), or a stop signal has drained
-        everything (returns 0). `before_shards` runs before each shard set starts."""
+        everything (returns 0). `before_shards` runs before each shard set starts. `remote`: the ranks on other
+        nodes (nodes.py), whose addresses the router is started with once they have loaded; such a set is never
+        replaced."""
         self.before_shards = before_shards
         shards, router = [], None
         try:
-            # the router starts beside the shards (its imports and tokenizer take seconds too) and waits for them
             shards = self.spawn_shards(shard_argvs)
-            router = self.spawn("router", router_argv, self.router_env)
+            if remote is not None:
+                self.wait_until(remote.published, remote.pending)
+                sockets = sockets + [remote.addresses[rank] for rank in remote.ranks]
+            # the router starts beside the shards (its imports and tokenizer take seconds too) and waits for them
+            router = self.spawn("router", router_argv(sockets), self.router_env)
             up, pending = self.shards_up(sockets)
             self.wait_until(lambda: up() and router_healthy(url),
                             lambda: (", ".join(f"shard {rank}" for rank in pending) + " to load") if pending
                             else "the router to warm up the shards")
             log("launcher", f"ready: {url} ({self.elapsed()})")
+            if remote is not None:
+                self.wait_until(remote.check)
             self.serve(shards, shard_argvs, sockets, max_restarts)
-        except ChildExited as error:
-            log("launcher", f"{error}: stopping everything")
+        except (ChildExited, RemoteLost) as error:
+            if remote is not None:  # the cause first: a rank on another node gone ends the local ones too
+                silent = remote.silent() if isinstance(error, ChildExited) else []
+                cause = f"{', '.join(silent)} stopped answering ({error})" if silent else str(error)
+                log("launcher", f"{cause}: a set across nodes is not replaced (restart every node's launcher): "
+                                "stopping everything")
+            else:
+                log("launcher", f"{error}: stopping everything")
             return 1
         except StopRequested:
             log("launcher", f"{self.stop_signal}: shutting down, letting in-flight requests finish")
@@ -117,6 +132,24 @@ class Supervisor:
             log("launcher", "stopped")
             return 0
         finally:  # also reached on a bug in the launcher itself: no child may outlive it
+            stop_all(self.children, FAILURE_STOP_TIMEOUT)
+
+    def run_ranks(self, shard_argvs: list[list[str]], first_rank: int) -> int:
+        """A node other than 0: its ranks only, until one exits (1: the set is over, nodes.py) or a stop signal
+        (0)."""
+        try:
+            for offset, argv in enumerate(shard_argvs):
+                self.spawn(f"shard {first_rank + offset}", argv)
+            log("launcher", "started; node 0's router drives these shards once every node's have loaded")
+            self.wait_until(lambda: False)
+        except ChildExited as error:
+            log("launcher", f"{error}: a set across nodes is not replaced (restart every node's launcher): "
+                            "stopping everything")
+            return 1
+        except StopRequested:
+            log("launcher", f"{self.stop_signal}: stopping")
+            return 0
+        finally:
             stop_all(self.children, FAILURE_STOP_TIMEOUT)
 
     def spawn_shards(self, shard_argvs: list[list[str]]) -> list[Child]:

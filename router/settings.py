@@ -31,7 +31,15 @@ class Settings:
                             "(never downloaded)")
     served_model_name: Optional[str] = setting(None, "the model's name in responses and /v1/models "
                                                "(default: --model-id)")
-    num_shard: int = setting(1, "tensor-parallel shard processes", min=1)
+    num_shard: int = setting(1, "tensor-parallel shard processes (with --nnodes, on all the nodes together)", min=1)
+    nnodes: int = setting(1, "machines one tensor-parallel set spans, --num-shard / --nnodes shards on each "
+                          "(torchrun's --nnodes); node 0 also runs the router and serves HTTP", min=1)
+    node_rank: int = setting(0, "this machine's place among --nnodes (torchrun's --node-rank)", min=0)
+    master_addr: str = setting("127.0.0.1", "node 0's address on the network the nodes share (torchrun's "
+                               "--master-addr): every node's shards meet at its store, and their collectives and "
+                               "gRPC use the interface that reaches it. That network must be trusted")
+    master_port: int = setting(29500, "node 0's port for that store (torchrun's --master-port; --nnodes > 1 only)",
+                               min=1, max=65535)
     port: int = setting(8080, "HTTP port")
     hostname: str = setting("127.0.0.1", "HTTP bind address")
     max_concurrent_requests: int = setting(128, "requests in flight at once; beyond it: 429", min=1)

@@ -23,6 +23,11 @@ HANG_STRIKES = 2        # probes missed in a row that make a rank hung (one may 
 STEP_CALLS = frozenset({"Prefill", "Decode", "FilterBatch", "Offload", "ClearCache"})  # their time sets the deadline
 
 
+def target(address: str) -> str:
+    """A rank's gRPC target: a unix socket's path, or host:port (a rank on another node)."""
+    return f"unix://{address}" if address.startswith("/") else address
+
+
 class ShardError(Exception):
     def __init__(self, message: str, missed_deadline: bool = False):
         super().__init__(message)
@@ -38,7 +43,7 @@ class Shards:
 
     def _connect(self) -> None:
         opts = [("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20)]
-        self.channels = [grpc.aio.insecure_channel(f"unix://{s}", options=opts) for s in self.sockets]
+        self.channels = [grpc.aio.insecure_channel(target(s), options=opts) for s in self.sockets]
         self.stubs = [pb_grpc.ShardStub(c) for c in self.channels]
 
     async def reconnect(self) -> None:

@@ -20,10 +20,13 @@ app = typer.Typer(add_completion=False, rich_markup_mode=None)
 @app.command()
 def main(
     model_dir: str = typer.Option(...),
-    uds: str = typer.Option(..., help="unix socket path to serve on"),
+    uds: str = typer.Option(..., help="unix socket path to serve on, or tcp: a port on the interface that reaches "
+                                      "the store (a rank on a node other than 0; published in the store)"),
     rank: int = typer.Option(...),
     world_size: int = typer.Option(...),
-    rendezvous: str = typer.Option(..., help="file the ranks meet through (torch.distributed's FileStore)"),
+    local_world_size: int = typer.Option(0, help="ranks on this machine (default: all of them)"),
+    rendezvous: str = typer.Option(..., help="file the ranks meet through (torch.distributed's FileStore), or "
+                                             "node 0's store as tcp://host:port (rendezvous.py)"),
     dtype: str = typer.Option(...),
     device: str = typer.Option(...),
     block_size: int = typer.Option(...),
@@ -43,20 +46,25 @@ def main(
     from shard.main_thread import MainThread
     from shard.runner import Runner
     from shard.server import ShardService, pick_device, serve
-    from shard.tensor_parallel import init_process_group
+    from shard import rendezvous as meet
 
     dev = pick_device(device, rank)
-    if dev.type == "cpu" and world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if world_size > 1:
-        init_process_group(rank, world_size, rendezvous, dev)
+    local = local_world_size or world_size
+    if dev.type == "cpu" and local > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    store = meet.init_process_group(rank, world_size, rendezvous, dev) if world_size > 1 else None
     loaded = model_lib.load(model_dir, dtype, dev, rank, world_size, quantize)
     logging.getLogger("shard").info("loaded %s (%s, %s%s) on %s, %d KV heads on this rank", model_dir,
                                     loaded.config.model_type, loaded.dtype_name,
                                     f", {quantize} linears" if quantize else "", dev, loaded.kv_heads)
     runner = Runner(loaded, dev, block_size, rank, world_size, sizes.parse(compile_sizes, dev.type))
     main = MainThread()
-    server = serve(ShardService(loaded, runner, world_size, main), uds)
+    server, address = serve(ShardService(loaded, runner, world_size, main),
+                            meet.tcp_address(rendezvous) if uds == "tcp" else uds)
+    if store is not None and uds == "tcp":
+        meet.publish(store, rank, address)
+        meet.watch(store, rendezvous)
+        logging.getLogger("shard").info("serving on %s (published in node 0's store)", address)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -152,23 +152,25 @@ def step_entry(e: pb.StepEntry) -> Entry:
                  e.drafts)
 
 
-def serve(service: ShardService, uds: str) -> grpc.Server:
-    """Calls are strictly ordered: the router sends the next only once every rank answered, and their torch work
-    goes on to the service's MainThread. A second worker answers Health while a step runs (the router's hang
-    probe). The socket is created owner-only (umask), not chmodded after the fact."""
-    if os.path.exists(uds):
-        os.unlink(uds)
+def serve(service: ShardService, where: str) -> tuple[grpc.Server, str]:
+    """Serves on a unix socket path, or on host:port (port 0: one the system picks); returns the server and the
+    address it serves on. Calls are strictly ordered: the router sends the next only once every rank answered, and
+    their torch work goes on to the service's MainThread. A second worker answers Health while a step runs (the
+    router's hang probe). The socket is created owner-only (umask), not chmodded after the fact."""
+    tcp = not where.startswith("/")
+    if not tcp and os.path.exists(where):
+        os.unlink(where)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20),
     ])
     pb_grpc.add_ShardServicer_to_server(service, server)
     old_umask = os.umask(0o177)
     try:
-        server.add_insecure_port(f"unix://{uds}")
+        port = server.add_insecure_port(where if tcp else f"unix://{where}")
         server.start()
     finally:
         os.umask(old_umask)
-    return server
+    return server, f"{where.rpartition(':')[0]}:{port}" if tcp else where
 
 
 def pick_device(name: str, rank: int) -> torch.device:

@@ -5,15 +5,10 @@ Attention: q/k/v projections keep this rank's heads (column split), o_proj keeps
 heads its query heads use (replication). MLP: gate/up column split, down row split + all-reduce.
 Embeddings, norms and the LM head stay whole on every rank.
 """
-import os
-
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from shard.split_rule import SplitWidths, check_shard_count
-
-LOOPBACK = "lo"  # Linux's loopback interface
 
 
 class RowParallelLinear(nn.Module):
@@ -75,12 +70,3 @@ def shard_model(model: nn.Module, rank: int, world: int) -> int:
         shard_mlp(layer.mlp, inter, rank, world)
     return local_kv
 
-
-def init_process_group(rank: int, world: int, rendezvous: str, device: torch.device) -> None:
-    """Every rank runs on this machine, so nothing listens beyond it: the ranks meet through a file (a TCP store
-    would listen on every interface), and gloo's and NCCL's own sockets bind the loopback interface unless the
-    user chose one."""
-    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, LOOPBACK)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)

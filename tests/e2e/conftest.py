@@ -140,6 +140,23 @@ def reference(model_dir) -> Reference:
     return Reference(model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_dir, tmp_path_factory):
+    """A 4-layer Llama with 4 heads and 2 KV heads, random weights, SmolLM2's tokenizer: it splits over 2 shards,
+    which SmolLM2 (9 heads, 3 KV heads) does not."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      initializer_range=0.1, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 HEAD_TIMEOUT, BODY_TIMEOUT = 3, 5  # s: the shared server's, shorter than the defaults so test_slow_clients waits less
 
 
