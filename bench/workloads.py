@@ -99,6 +99,27 @@ def grounded_workload(path: Path = GROUNDED, n: Optional[int] = None, tokenizer=
     return out
 
 
+QUALITY_TEXT = Path(__file__).resolve().parent / "data" / "quality.txt"
+
+
+def shared_prefix_workload(docs: int, questions: int, doc_words: int = 200, max_new_tokens: int = 32,
+                           seed: int = 0) -> list[Req]:
+    """`docs` passages of `doc_words` words each (drawn with `seed` from quality.txt's words, so a seed's passages
+    share no prefix with another seed's), each asked `questions` short questions: every prompt is a passage, then
+    its question. Sent as text (a balancer routes on text), passage by passage in turn (d0 q0, d1 q0, ..., d0 q1,
+    ...), so that round robin over an even number of replicas does not keep a passage on one replica by luck when
+    `docs` is odd."""
+    words = QUALITY_TEXT.read_text().split()
+    rng = random.Random(seed)
+    passages = [" ".join(rng.choice(words) for _ in range(doc_words)) for _ in range(docs)]
+    out = []
+    for q in range(questions):
+        for d, passage in enumerate(passages):
+            ask = " ".join(rng.choice(words) for _ in range(6))
+            out.append(Req(len(out), 0, max_new_tokens, text=f"{passage}\n\nQuestion {q + 1}: {ask}?\nAnswer:"))
+    return out
+
+
 def token_ids(req: Req) -> list[int]:
     """The ids an in-process baseline feeds the model."""
     ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized

@@ -7,6 +7,7 @@ from a cost model; static batching alongside on the same arrivals.
                                            model calibrated from its --trace-file) and compare with what it measured
   cb-sim --scenario w64 --sweep --ttft-slo-ms 2000 --request-rate 2   which budgets keep p99 TTFT under 2 s?
   cb-sim --replay trace.jsonl --from-bench r.json   check the simulator decides exactly as the live router did
+  cb-sim --from-balancer b.json            N replicas behind a balancer (bench.balancer's run), per routing policy
 
 Scheduler settings: a flag given here, else the server's (its /info in --from-bench), else the scenario's, else the
 server's defaults.
@@ -122,9 +123,17 @@ def main(
     sweep_total_tokens: str = typer.Option("2048,4096,8192,16384,32768"),
     sweep_prefill_tokens: str = typer.Option("64,128,256,512,1024,2048"),
     replay_trace: Optional[Path] = typer.Option(None, "--replay", help="Replay a live trace; compare decisions."),
+    from_balancer: Optional[Path] = typer.Option(None, help="A bench.balancer result JSON: simulate its replicas "
+                                                 "under each of --routing, its workload, client and settings, and "
+                                                 "compare with what it measured."),
+    replicas: Optional[int] = typer.Option(None, help="Replicas behind a balancer (default: --from-balancer's)."),
+    routing: str = typer.Option("round_robin,least_loaded,cache_aware", help="With --from-balancer: the routing "
+                                "policies simulated (replicas.py)."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ):
+    if from_balancer is not None:
+        raise typer.Exit(run_balancer(from_balancer, settings, replicas, routing, calibrate_from, cost, json_out))
     bench = json.loads(from_bench.read_text()) if from_bench else {}
     info = server_info(bench, from_bench)
     config = scheduler_config(settings, info, scenario)
@@ -152,6 +161,55 @@ def main(
             run_compare(scenario, reqs, times, config, model, static_batch, bench, plot, result)
     if json_out:
         json_out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def run_balancer(path: Path, settings: dict, replicas: Optional[int], routing: str, calibrate_from: Optional[Path],
+                 cost: Optional[Path], json_out: Optional[Path]) -> int:
+    """bench.balancer's run again in the simulator: each replica from the measured server's /info, the cost model
+    from a replica's trace, the same passages (tokenized as the router does) and the same client."""
+    from transformers import AutoTokenizer
+
+    from bench.sim.replicas import scheduler_factory, simulate_replicas
+    from bench.workloads import shared_prefix_workload
+    from launcher.model_files import resolve_model
+
+    run = json.loads(path.read_text())
+    info = server_info(run, path)
+    if info is None:
+        raise typer.BadParameter(f"{path}: no server_info (run bench.balancer again)")
+    config = scheduler_config(settings, info, "balancer")
+    if calibrate_from is None and cost is None and run.get("traces"):
+        calibrate_from = Path(run["traces"]) / "replica-0.jsonl"
+    model = cost_model("balancer", False, {}, cost, calibrate_from, (None,) * 4)
+    describe_setup(model, config)
+    calibration = read_trace(calibrate_from)[0].get("calibration") if calibrate_from else None
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(info.model_id))
+    n = replicas or run["replicas"]
+    measured = run.get("policies", {})
+    out = {}
+    for policy in routing.split(","):
+        seed = list(measured).index(policy) if policy in measured else len(measured)
+        reqs = shared_prefix_workload(run["docs"], run["questions"], run["doc_words"], run["max_new_tokens"], seed)
+        for r in reqs:
+            r.prompt_ids = tokenizer(r.text, add_special_tokens=True)["input_ids"]
+            r.prompt_tokens = len(r.prompt_ids)
+        sim, extra = simulate_replicas(reqs, n, policy, run["concurrency"], scheduler_factory(config, calibration),
+                                       model)
+        s = {**sim.summary(), **extra}
+        line = (f"{policy:>12}: predicted {s['output_tok_s']:.1f} tok/s out, hit rate {s['hit_rate']:.1%}, spread "
+                f"{s['served_per_replica']}, TTFT mean {s['ttft_mean_ms']:.0f} ms")
+        if policy in measured and n == run["replicas"]:
+            m = measured[policy]
+            s["measured"] = {k: m[k] for k in ("output_tok_s", "hit_rate", "ttft_mean_ms", "served_per_replica")}
+            s["throughput_error"] = s["output_tok_s"] / m["output_tok_s"] - 1
+            line += (f"; measured {m['output_tok_s']:.1f} tok/s ({s['throughput_error']:+.1%}), hit rate "
+                     f"{m['hit_rate']:.1%}, spread {m['served_per_replica']}, TTFT mean {m['ttft_mean_ms']:.0f} ms")
+        typer.echo(line)
+        out[policy] = s
+    if json_out:
+        json_out.write_text(json.dumps({"replicas": n, "cost_model": model.__dict__, "policies": out}, indent=1,
+                                       default=str))
+    return 0
 
 
 def workload_of(scenario: str, workload: Path, n: int, input_len: int, output_len: int, ratio: float, seed: int):
