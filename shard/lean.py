@@ -58,8 +58,7 @@ class LeanLlama(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(ids)
-        cos, sin = self.rotary(h, positions[None])
-        cos, sin = cos[0], sin[0]  # [T, D], broadcast over heads
+        cos, sin = _cos_sin(self.rotary, h, positions)  # [T, D], broadcast over heads
         tokens = ids.shape[0]
         for layer in self.layers:
             x = _rms_norm(layer.norm_in, h)
@@ -83,6 +82,20 @@ def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if torch.compiler.is_compiling():
         return paged_attention(layer, q, k, v, scale)
     return attention.attend(layer, q, k, v, scale, None)
+
+
+def _cos_sin(rotary, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' LlamaRotaryEmbedding.forward for one sequence, op for op, less its `autocast(enabled=False)`
+    guard (nothing here runs under autocast): torch.compile's AOT autograd cache refuses graphs that enter autocast,
+    and redoing that stage cost every start ~9 s of its compile. The rope kinds that update inv_freq as they go
+    (dynamic, longrope) keep the module's own forward."""
+    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        cos, sin = rotary(h, positions[None])
+        return cos[0], sin[0]
+    freqs = (rotary.inv_freq[None, :, None].float() @ positions[None, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
+    return cos.to(dtype=h.dtype)[0], sin.to(dtype=h.dtype)[0]
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
