@@ -14,6 +14,7 @@ from launcher.readiness import shard_healthy
 from router.settings import Settings
 from shard.rendezvous import address_key
 
+NOT_REPLACED = "a set across nodes is not replaced (restart every node's launcher)"
 PROBE_EVERY = 2.0  # s between node 0's Health probes of the other nodes' ranks
 STRIKES = 2        # probes missed in a row that end the set (one may be a loaded network's hiccup)
 

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Optional
 
 from launcher.children import Child, describe_exit, log, stop_all
-from launcher.nodes import Remote, RemoteLost
+from launcher.nodes import NOT_REPLACED, Remote, RemoteLost
 from launcher.readiness import router_healthy, shard_healthy
 
 FAILURE_STOP_TIMEOUT = 5.0  # s between SIGTERM and SIGKILL when tearing down after a failure
@@ -119,8 +119,7 @@ class Supervisor:
             if remote is not None:  # the cause first: a rank on another node gone ends the local ones too
                 silent = remote.silent() if isinstance(error, ChildExited) else []
                 cause = f"{', '.join(silent)} stopped answering ({error})" if silent else str(error)
-                log("launcher", f"{cause}: a set across nodes is not replaced (restart every node's launcher): "
-                                "stopping everything")
+                log("launcher", f"{cause}: {NOT_REPLACED}: stopping everything")
             else:
                 log("launcher", f"{error}: stopping everything")
             return 1
@@ -143,8 +142,7 @@ class Supervisor:
             log("launcher", "started; node 0's router drives these shards once every node's have loaded")
             self.wait_until(lambda: False)
         except ChildExited as error:
-            log("launcher", f"{error}: a set across nodes is not replaced (restart every node's launcher): "
-                            "stopping everything")
+            log("launcher", f"{error}: {NOT_REPLACED}: stopping everything")
             return 1
         except StopRequested:
             log("launcher", f"{self.stop_signal}: stopping")
