@@ -25,6 +25,9 @@ from shard.profiling import scope
 NAME = "cb_paged"
 
 
+SHORT_CHUNK = 32  # queries a prompt chunk may have to attend through the decode kernel (Group.query_args)
+
+
 @dataclass
 class Group:
     """A padded batch of requests for one attention call."""
@@ -37,6 +40,7 @@ class Group:
     members: int               # the real requests: the first `members` of B (decode groups are padded, layout.py)
     dense: int | None = None   # the first row, when the group is one query each and its rows are consecutive
     _kernel: tuple | None = None  # kernel_args or chunk_args, whichever kind the group is
+    _queries: tuple | None = None  # query_args
 
     def kernel_args(self) -> tuple:
         """The real members' rows, block tables, key starts and lengths as paged_kernel.decode takes them (made
@@ -55,6 +59,23 @@ class Group:
             self._kernel = (self.rows[:n, 0].contiguous(), self.valid[:n].sum(1), self.query_pos[:n, 0].contiguous(),
                             self.block_tables[:n].contiguous(), self.key_start[:n].contiguous())
         return self._kernel
+
+    def query_args(self) -> tuple | None:
+        """Prompt chunks of at most SHORT_CHUNK queries each as paged_kernel.decode takes them, one entry a query
+        (its row, its chunk's block table and key start, its position + 1 as the keys it sees); None when a chunk
+        is longer. The decode kernel reads the keys in place and scores them in bf16 dot products, where the chunk
+        kernel first widens and transposes every key a chunk sees: a pacer's chunk of 16 queries at position
+        1,000 took 7.2 ms against 22.4 (30 layers, SmolLM2, the EPYC); from 64 queries the chunk kernel wins."""
+        if self._queries is None:
+            rows, count, pos, tables, key_start = self.chunk_args()
+            if int(count.max()) > SHORT_CHUNK:
+                self._queries = (None,)
+            else:
+                chunk = torch.repeat_interleave(torch.arange(count.shape[0]), count)
+                offset = torch.arange(chunk.shape[0]) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+                self._queries = (rows[chunk] + offset, tables[chunk].contiguous(), key_start[chunk].contiguous(),
+                                 pos[chunk] + offset + 1)
+        return None if self._queries[0] is None else self._queries
 
     def mask(self, block_size: int, window: int | None) -> torch.Tensor:
         """[B, Q, K] bool: key j is visible to query i (causal, within kv_len, inside the window)."""
@@ -149,6 +170,10 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
             with scope("attention::attend"):
                 if grp.rows.shape[1] == 1:
                     rows, tables, key_start, kv_len = grp.kernel_args()
+                    done = paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
+                                               flat.transpose(0, 1), scale)
+                elif (short := grp.query_args()) is not None:
+                    rows, tables, key_start, kv_len = short
                     done = paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
                                                flat.transpose(0, 1), scale)
                 else:

@@ -93,6 +93,42 @@ def test_prefill_kernel_equals_sdpa_over_the_gathered_blocks(dtype, tol, hkv, gr
     assert (out[:, [0, tokens - 2, tokens - 1]] == 7.0).all(), "rows of no chunk are left alone"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_short_chunks_through_the_decode_kernel_equal_the_chunk_kernel(dtype, window):
+    """Group.query_args: chunks of at most SHORT_CHUNK queries attend one query at a time through the decode kernel,
+    each over its own causal prefix (and window); a longer chunk in the group sends it all to the chunk kernel."""
+    torch.manual_seed(0)
+    hkv, group, dim, bs = 3, 3, 64, 16
+    chunks = [(0, 5), (100, 16), (1000, 32), (7, 1)]  # (cached tokens before, queries)
+    widths = [-(-(c + n) // bs) for c, n in chunks]
+    width, blocks = max(widths), sum(widths) + 1
+    kc, vc = (torch.randn(hkv, blocks, bs, dim).to(dtype) for _ in range(2))
+    order = torch.randperm(blocks).tolist()
+    tables = torch.tensor([order[sum(widths[:b]):sum(widths[:b + 1])] + [0] * (width - widths[b])
+                           for b in range(len(chunks))])
+    q_len = max(n for _, n in chunks)
+    first = torch.cumsum(torch.tensor([0] + [n for _, n in chunks[:-1]]), 0)
+    steps = torch.arange(q_len)
+    valid = torch.stack([steps < n for _, n in chunks])
+    grp = attention.Group(rows=torch.where(valid, first[:, None] + steps, 0), valid=valid, block_tables=tables,
+                          query_pos=torch.tensor([c for c, _ in chunks])[:, None] + steps,
+                          kv_len=torch.tensor([c + n for c, n in chunks]), key_start=torch.zeros(len(chunks),
+                          dtype=torch.long), members=len(chunks))
+    tokens = sum(n for _, n in chunks)
+    q = torch.randn(tokens, hkv * group, dim).to(dtype).transpose(0, 1)
+    want, got = (torch.full((tokens, hkv * group, dim), 7.0, dtype=dtype).transpose(0, 1) for _ in range(2))
+    assert paged_kernel.prefill(q, *grp.chunk_args()[:3], kc, vc, tables, grp.key_start, window, want, 0.125)
+    rows, tables_q, key_start, kv_len = grp.query_args()
+    assert rows.tolist() == list(range(tokens)) and kv_len[-1] == 8
+    assert paged_kernel.decode(q, rows, kc, vc, tables_q, key_start, kv_len, window, got, 0.125)
+    assert (got.float() - want.float()).abs().max() < (2e-2 if dtype == torch.bfloat16 else 2e-5)
+    valid[2, :] = True  # a chunk of SHORT_CHUNK + 1 queries: not short
+    long = attention.Group(rows=grp.rows, valid=torch.cat([valid, valid[:, :1]], 1), block_tables=tables,
+                           query_pos=grp.query_pos, kv_len=grp.kv_len, key_start=grp.key_start, members=len(chunks))
+    assert attention.SHORT_CHUNK == 32 and long.query_args() is None
+
+
 def test_shapes_beyond_the_kernel_are_declined():
     kc = torch.zeros(1, 2, 16, 8)
     one = torch.zeros(1, dtype=torch.long)
