@@ -65,7 +65,9 @@ class Group:
         (its row, its chunk's block table and key start, its position + 1 as the keys it sees); None when a chunk
         is longer. The decode kernel reads the keys in place and scores them in bf16 dot products, where the chunk
         kernel first widens and transposes every key a chunk sees: a pacer's chunk of 16 queries at position
-        1,000 took 7.2 ms against 22.4 (30 layers, SmolLM2, the EPYC); from 64 queries the chunk kernel wins."""
+        1,000 took 7.2 ms against 22.4 (30 layers, SmolLM2, the EPYC); from 64 queries the chunk kernel wins.
+        bf16 caches only: in float32 every chunk keeps the chunk kernel, so a prompt's last position gives the same
+        logits to the bit whether a cached prefix left it a short chunk or not (test_speculation_e2e's prefix reuse)."""
         if self._queries is None:
             rows, count, pos, tables, key_start = self.chunk_args()
             if int(count.max()) > SHORT_CHUNK:
@@ -172,7 +174,7 @@ def attend(layer: int, query, key, value, scaling, window) -> torch.Tensor:
                     rows, tables, key_start, kv_len = grp.kernel_args()
                     done = paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
                                                flat.transpose(0, 1), scale)
-                elif (short := grp.query_args()) is not None:
+                elif k_cache.dtype == torch.bfloat16 and (short := grp.query_args()) is not None:
                     rows, tables, key_start, kv_len = short
                     done = paged_kernel.decode(query, rows, k_cache, v_cache, tables, key_start, kv_len, window,
                                                flat.transpose(0, 1), scale)
