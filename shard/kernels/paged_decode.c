@@ -42,11 +42,49 @@ static inline __m512 sum16(__m512 *x) {
 }
 
 
-/* Softmax of the scores (mx: each query's running maximum), then the weighted values into acc, normalised. */
-static inline __attribute__((always_inline)) void softmax_pv(
-    const char *v_cache, long block_size, const int64_t *table, long head_base, long key_start, long first, long n,
-    long group, const long C, int bf16, float *scores, __m512 *mx, float (*acc)[MAX_DIM]) {
+/* attend_one's maths for dim a multiple of 16 (C = dim / 16 vectors a row): sixteen keys scored at once, the
+ * running maximum kept from the scores, softmax in vectors, its 1/sum applied once to the output, and the next
+ * block prefetched while this one is read (every block is its own 2 KB at dim 64, where the hardware prefetcher stops).
+ * With `dp` (a bf16 cache, AVX512-BF16) the scores are dot products of the raw bf16 query `qb` ([group][dim / 32]
+ * __m512bh) and keys, pairs multiplied exactly and summed in float32, no widening, scaled afterwards; else of the
+ * float32 query `qf`, already scaled, and the widened keys. Inlined with constant C, bf16 and dp for the common
+ * shapes. Writes acc normalised. */
+static inline __attribute__((always_inline)) void attend_avx512(
+    const float (*qf)[MAX_DIM], const void *qb, const int dp, const char *k_cache, const char *v_cache,
+    long block_size, const int64_t *table, long head_base, long key_start, long first, long n, long group,
+    const long C, int bf16, float scale, float *scores, float (*acc)[MAX_DIM]) {
     const long esize = bf16 ? 2 : 4, dim = C * 16;
+    __m512 mx[MAX_GROUP];
+    for (long g = 0; g < group; g++) mx[g] = _mm512_set1_ps(-INFINITY);
+    for (long i = 0, take; i < n; i += take) {
+        const char *kb = block_run(k_cache, block_size, table, head_base, key_start, first, i, n, dim * esize, &take);
+        for (long j0 = 0; j0 < take; j0 += 16) {
+            long m = take - j0 < 16 ? take - j0 : 16;
+            for (long g = 0; g < group; g++) {
+                __m512 x[16];
+                for (long j = 0; j < 16; j++) {
+                    __m512 s = _mm512_setzero_ps();
+                    if (j < m) {
+#if defined(__AVX512BF16__)
+                        if (dp)
+                            for (long c = 0; c < C / 2; c++)
+                                s = _mm512_dpbf16_ps(s, ((const __m512bh (*)[MAX_DIM / 32])qb)[g][c],
+                                    (__m512bh)_mm512_loadu_si512((const uint16_t *)kb + (j0 + j) * dim + 32 * c));
+                        else
+#endif
+                            for (long c = 0; c < C; c++)
+                                s = _mm512_fmadd_ps(_mm512_loadu_ps(qf[g] + 16 * c),
+                                                    load16(kb, (j0 + j) * dim + 16 * c, bf16), s);
+                    }
+                    x[j] = s;
+                }
+                __mmask16 live = (__mmask16)((1u << m) - 1);
+                __m512 r = dp ? _mm512_mul_ps(sum16(x), _mm512_set1_ps(scale)) : sum16(x);
+                mx[g] = _mm512_mask_max_ps(mx[g], live, mx[g], r);
+                _mm512_mask_storeu_ps(scores + g * n + i + j0, live, r);
+            }
+        }
+    }
     float inv[MAX_GROUP];
     for (long g = 0; g < group; g++) {
         float *sg = scores + g * n;
@@ -75,77 +113,6 @@ static inline __attribute__((always_inline)) void softmax_pv(
     for (long g = 0; g < group; g++)
         for (long c = 0; c < C; c++)
             _mm512_storeu_ps(acc[g] + 16 * c, _mm512_mul_ps(a[g][c], _mm512_set1_ps(inv[g])));
-}
-
-/* attend_one's maths for dim a multiple of 16 (C = dim / 16 vectors a row): sixteen keys scored at once, the
- * running maximum kept from the scores, softmax in vectors, its 1/sum applied once to the output, and the next
- * block prefetched while this one is read (every block is its own 2 KB at dim 64, where the hardware prefetcher stops).
- * Inlined with constant C and bf16 for the common shapes. Writes acc normalised. */
-static inline __attribute__((always_inline)) void attend_avx512(
-    const float (*qf)[MAX_DIM], const char *k_cache, const char *v_cache, long block_size, const int64_t *table,
-    long head_base, long key_start, long first, long n, long group, const long C, int bf16, float *scores,
-    float (*acc)[MAX_DIM]) {
-    const long esize = bf16 ? 2 : 4, dim = C * 16;
-    __m512 mx[MAX_GROUP];
-    for (long g = 0; g < group; g++) mx[g] = _mm512_set1_ps(-INFINITY);
-    for (long i = 0, take; i < n; i += take) {
-        const char *kb = block_run(k_cache, block_size, table, head_base, key_start, first, i, n, dim * esize, &take);
-        for (long j0 = 0; j0 < take; j0 += 16) {
-            long m = take - j0 < 16 ? take - j0 : 16;
-            for (long g = 0; g < group; g++) {
-                __m512 x[16];
-                for (long j = 0; j < 16; j++) {
-                    __m512 s = _mm512_setzero_ps();
-                    if (j < m)
-                        for (long c = 0; c < C; c++)
-                            s = _mm512_fmadd_ps(_mm512_loadu_ps(qf[g] + 16 * c),
-                                                load16(kb, (j0 + j) * dim + 16 * c, bf16), s);
-                    x[j] = s;
-                }
-                __mmask16 live = (__mmask16)((1u << m) - 1);
-                __m512 r = sum16(x);
-                mx[g] = _mm512_mask_max_ps(mx[g], live, mx[g], r);
-                _mm512_mask_storeu_ps(scores + g * n + i + j0, live, r);
-            }
-        }
-    }
-    softmax_pv(v_cache, block_size, table, head_base, key_start, first, n, group, C, bf16, scores, mx, acc);
-}
-#endif
-
-#if defined(__AVX512BF16__)
-/* As attend_avx512 for a bfloat16 cache, with scores from AVX512-BF16 dot products of the raw bf16 query and keys
- * (pairs multiplied exactly, summed in float32; no widening), scaled afterwards. */
-static inline __attribute__((always_inline)) void attend_dp(
-    const __m512bh (*qb)[MAX_DIM / 32], const char *k_cache, const char *v_cache, long block_size,
-    const int64_t *table, long head_base, long key_start, long first, long n, long group, const long C, float scale,
-    float *scores, float (*acc)[MAX_DIM]) {
-    const long dim = C * 16, C2 = C / 2;
-    const __m512 sc = _mm512_set1_ps(scale);
-    __m512 mx[MAX_GROUP];
-    for (long g = 0; g < group; g++) mx[g] = _mm512_set1_ps(-INFINITY);
-    for (long i = 0, take; i < n; i += take) {
-        const char *kb = block_run(k_cache, block_size, table, head_base, key_start, first, i, n, dim * 2, &take);
-        for (long j0 = 0; j0 < take; j0 += 16) {
-            long m = take - j0 < 16 ? take - j0 : 16;
-            for (long g = 0; g < group; g++) {
-                __m512 x[16];
-                for (long j = 0; j < 16; j++) {
-                    __m512 s = _mm512_setzero_ps();
-                    if (j < m)
-                        for (long c = 0; c < C2; c++)
-                            s = _mm512_dpbf16_ps(s, qb[g][c],
-                                (__m512bh)_mm512_loadu_si512((const uint16_t *)kb + (j0 + j) * dim + 32 * c));
-                    x[j] = s;
-                }
-                __mmask16 live = (__mmask16)((1u << m) - 1);
-                __m512 r = _mm512_mul_ps(sum16(x), sc);
-                mx[g] = _mm512_mask_max_ps(mx[g], live, mx[g], r);
-                _mm512_mask_storeu_ps(scores + g * n + i + j0, live, r);
-            }
-        }
-    }
-    softmax_pv(v_cache, block_size, table, head_base, key_start, first, n, group, C, 1, scores, mx, acc);
 }
 #endif
 
@@ -240,23 +207,23 @@ static void attend_one(const char *q, long q_sh, long q_st, long row, const char
             for (long c = 0; c < dim / 32; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
         }
         if (dim == 64)
-            attend_dp(qb, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, scale, scores,
-                      acc);
+            attend_avx512(qf, qb, 1, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4,
+                          1, scale, scores, acc);
         else
-            attend_dp(qb, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim / 16, scale,
-                      scores, acc);
+            attend_avx512(qf, qb, 1, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group,
+                          dim / 16, 1, scale, scores, acc);
     } else
 #endif
 #if defined(__AVX512F__)
     if (dim == 64 && bf16)
-        attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 1, scores,
-                      acc);
+        attend_avx512(qf, NULL, 0, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 1,
+                      scale, scores, acc);
     else if (dim == 64)
-        attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 0, scores,
-                      acc);
+        attend_avx512(qf, NULL, 0, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, 4, 0,
+                      scale, scores, acc);
     else if (dim % 16 == 0)
-        attend_avx512(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim / 16, bf16,
-                      scores, acc);
+        attend_avx512(qf, NULL, 0, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group,
+                      dim / 16, bf16, scale, scores, acc);
     else
 #endif
         attend_plain(qf, k_cache, v_cache, block_size, table, head_base, key_start, first, n, group, dim, bf16,
