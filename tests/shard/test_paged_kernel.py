@@ -57,6 +57,18 @@ def test_kernel_equals_gather_and_matmul(dtype, tol, hkv, group, dim, window, ke
     assert (out[:, others] == 7.0).all(), "rows of no request are left alone"
 
 
+def _chunk_caches(chunks, hkv: int, dim: int, dtype, bs: int, spare: int):
+    """Random key and value caches with `spare` blocks beyond the chunks' own, and each chunk's block table (its
+    blocks, (cached tokens + queries) worth, drawn in a shuffled order; padded with block 0)."""
+    widths = [-(-(c + n) // bs) for c, n in chunks]
+    width, blocks = max(widths), sum(widths) + spare
+    kc, vc = (torch.randn(hkv, blocks, bs, dim).to(dtype) for _ in range(2))
+    order = torch.randperm(blocks).tolist()
+    tables = torch.tensor([order[sum(widths[:b]):sum(widths[:b + 1])] + [0] * (width - widths[b])
+                           for b in range(len(chunks))])
+    return kc, vc, tables
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hkv, group, dim, window, key_start", [(3, 3, 64, None, 0), (1, 4, 256, 96, 32),
                                                                  (2, 8, 128, None, 0), (2, 5, 32, 40, 0),
@@ -67,12 +79,8 @@ def test_prefill_kernel_equals_sdpa_over_the_gathered_blocks(dtype, tol, hkv, gr
     tables that start at key_start; the queries of several chunks (and of no chunk) in one ragged step."""
     torch.manual_seed(0)
     bs = 16
-    widths = [-(-(c + n) // bs) for c, n in chunks]
-    width, blocks = max(widths), sum(widths) + 2
-    kc, vc = (torch.randn(hkv, blocks, bs, dim).to(dtype) for _ in range(2))
-    order = torch.randperm(blocks).tolist()
-    tables = torch.tensor([order[sum(widths[:b]):sum(widths[:b + 1])] + [0] * (width - widths[b])
-                           for b in range(len(chunks))])
+    kc, vc, tables = _chunk_caches(chunks, hkv, dim, dtype, bs, spare=2)
+    width = tables.shape[1]
     starts = torch.full((len(chunks),), key_start)
     pos = torch.tensor([key_start + c for c, _ in chunks])
     count = torch.tensor([n for _, n in chunks])
@@ -101,12 +109,7 @@ def test_short_chunks_through_the_decode_kernel_equal_the_chunk_kernel(dtype, wi
     torch.manual_seed(0)
     hkv, group, dim, bs = 3, 3, 64, 16
     chunks = [(0, 5), (100, 16), (1000, 32), (7, 1)]  # (cached tokens before, queries)
-    widths = [-(-(c + n) // bs) for c, n in chunks]
-    width, blocks = max(widths), sum(widths) + 1
-    kc, vc = (torch.randn(hkv, blocks, bs, dim).to(dtype) for _ in range(2))
-    order = torch.randperm(blocks).tolist()
-    tables = torch.tensor([order[sum(widths[:b]):sum(widths[:b + 1])] + [0] * (width - widths[b])
-                           for b in range(len(chunks))])
+    kc, vc, tables = _chunk_caches(chunks, hkv, dim, dtype, bs, spare=1)
     q_len = max(n for _, n in chunks)
     first = torch.cumsum(torch.tensor([0] + [n for _, n in chunks[:-1]]), 0)
     steps = torch.arange(q_len)
