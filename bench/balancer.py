@@ -10,6 +10,7 @@ does not help the next. Numbers for docs/benchmarks.md; tests/e2e/test_balancer.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -24,19 +25,13 @@ import typer
 
 from bench import client, stats
 from bench.fresh import stop, wait_until_up
+from bench.server import free_port
 from bench.workloads import Req, shared_prefix_workload
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None, help=__doc__)
 POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 COUNTERS = {"cb_prefix_cache_hit_tokens_total": "hit_tokens", "tgi_request_input_length_sum": "prompt_tokens",
             "tgi_request_success_total": "served"}
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def per_replica(replicas: int) -> int:
@@ -53,7 +48,7 @@ def cores(i: int, replicas: int, pin: bool) -> list[str]:
 
 def start_balancer(policy: str, workers: list[str], port: int, log=subprocess.DEVNULL) -> subprocess.Popen:
     """sglang-router on 127.0.0.1:port in front of `workers`, once it answers /v1/models."""
-    if shutil.which("sglang-router") is None and not _importable("sglang_router"):
+    if importlib.util.find_spec("sglang_router") is None:  # run as a module of this interpreter's packages
         raise RuntimeError("sglang-router is not installed (pip install 'sglang-router>=0.3.2,<0.4')")
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
                              str(port), "--policy", policy, "--prometheus-port", str(free_port()),
@@ -65,11 +60,6 @@ def start_balancer(policy: str, workers: list[str], port: int, log=subprocess.DE
         stop(proc)
         raise
     return proc
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(name) is not None
 
 
 def counters(url: str) -> dict[str, float]:
