@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 LOOPBACK = "lo"  # Linux's loopback interface
-STORE_TIMEOUT = 30.0  # s a store operation may take (joining included: every node's ranks must have started)
+JOIN_TIMEOUT = 600.0  # s a rank waits for the store and for every other rank to join (the nodes' launchers may
+                      # start minutes apart), and a collective may take
 WATCH_EVERY = 1.0     # s between a remote rank's looks at node 0's store
 log = logging.getLogger("shard")
 
@@ -52,7 +53,7 @@ def interface_of(address: str) -> str:
     raise RuntimeError(f"no network interface holds {address}")
 
 
-def connect(url: str, timeout: float = STORE_TIMEOUT) -> dist.TCPStore:
+def connect(url: str, timeout: float = JOIN_TIMEOUT) -> dist.TCPStore:
     """A client of the store node 0's launcher hosts at `url`."""
     host, port = split(url)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
@@ -73,7 +74,7 @@ def init_process_group(rank: int, world: int, rendezvous: str, device: torch.dev
         os.environ.setdefault(variable, interface)
     store = connect(rendezvous)
     dist.init_process_group(backend, store=dist.PrefixStore("cb/set/", store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=max(STORE_TIMEOUT, 600.0)))
+                            timeout=timedelta(seconds=JOIN_TIMEOUT))
     return store
 
 
