@@ -106,9 +106,17 @@ class KVManager:
         return held + self.pool.extra_blocks(held, req.computed + n) <= self.pool.num_free
 
     def lookup(self, req: Request) -> Hit:
-        """Its prompt's leading cached blocks (the last token is always computed, so it is not looked up)."""
+        """Its prompt's leading cached blocks (the last token is always computed, so it is not looked up). A later
+        choice of a prompt (n, best_of) takes them from its first choice's table, with or without prefix caching,
+        so the prompt is computed once either way."""
         hit = Hit()
-        if not (self.prefix_caching and req.reuse_prefix):
+        if not req.reuse_prefix:
+            return hit
+        lead = req.after
+        if lead is not None and lead.blocks and lead.computed >= len(lead.prompt_ids) == len(req.prompt_ids):
+            n = (len(req.prompt_ids) - 1) // self.block_size  # full blocks of prompt tokens only, never generated
+            return Hit(list(lead.blocks[:n]), list(lead.hashes[:n]) if self.prefix_caching else [])
+        if not self.prefix_caching:
             return hit
         tokens, bs = req.tokens[:req.num_tokens - 1], self.block_size
         for i in range(len(tokens) // bs):
@@ -126,7 +134,7 @@ class KVManager:
         """Admission: the request starts its table with the hit's blocks, already computed."""
         self.pool.share(hit.blocks)
         req.blocks, req.hashes, req.computed = list(hit.blocks), list(hit.names), len(hit.blocks) * self.block_size
-        if req.reuse_prefix and self.prefix_caching:
+        if req.reuse_prefix and (self.prefix_caching or req.after is not None):
             self.prefix_lookups += 1
             self.prefix_hit_blocks += len(hit.blocks)
 

@@ -1,6 +1,7 @@
 """Driving the pure scheduler as the engine does: schedule(), check every invariant, then update() with one
 token per sampled entry (never a stop token, so requests finish at max_new_tokens). No other drive loop."""
 import itertools
+from collections import Counter
 
 from router.core.request import Request, State
 from router.core.scheduler import Scheduler
@@ -31,10 +32,14 @@ def check(s: Scheduler, step: Step) -> None:
         assert len(r.blocks) * pool.block_size >= r.computed, f"request {r.id} lacks blocks"
     for r in s.waiting:
         assert r.state is State.WAITING and r.computed == 0 and r.blocks == []
-    if not s.kv.prefix_caching:  # with prefix caching, requests share blocks (see test_prefix_cache)
-        owned = [blk for r in s.running for blk in r.blocks]
-        assert len(owned) == len(set(owned)), "a block owned by two requests"
-        assert set(pool._free).isdisjoint(owned) and len(owned) + pool.num_free == pool.num_blocks
+    owners = Counter(blk for r in s.running for blk in r.blocks)
+    assert all(pool.refs(blk) == n for blk, n in owners.items()), "a block's reference count is not its owners"
+    assert set(pool._free).isdisjoint(owners) and len(owners) + pool.num_free == pool.num_blocks
+    if not s.kv.prefix_caching:  # only choices of one prompt share blocks then (with it, see test_prefix_cache)
+        for r in s.running:
+            lead = r.after or r
+            assert all(owners[blk] == 1 or all(o is lead or o.after is lead for o in s.running if blk in o.blocks)
+                       for blk in r.blocks), "a block owned by two requests"
 
 
 def step(s: Scheduler, cost=None) -> Step:

@@ -1,6 +1,8 @@
 """Prefix caching in the pure KV manager and scheduler: shared blocks, reference counts, lazy eviction."""
 import random
 
+import pytest
+
 from drive import drain, step as run_step
 from router.core.kv import KVManager
 from router.core.request import Request, State
@@ -9,8 +11,8 @@ from router.core.scheduler import Budget, Scheduler
 BS = 4
 
 
-def make(blocks=32, prefill=64, total=1024, size=16) -> Scheduler:
-    return Scheduler(Budget(prefill, total, size, 0.0, 20), KVManager(blocks, BS, prefix_caching=True))
+def make(blocks=32, prefill=64, total=1024, size=16, prefix_caching=True) -> Scheduler:
+    return Scheduler(Budget(prefill, total, size, 0.0, 20), KVManager(blocks, BS, prefix_caching=prefix_caching))
 
 
 def lookup(s: Scheduler, tokens: list[int]) -> list[int]:
@@ -92,10 +94,12 @@ def test_random_traffic_with_shared_prefixes_never_leaks_or_double_books():
         assert s.kv.pool.num_free == s.kv.pool.num_blocks and s.kv.prefix_hit_blocks > 0
 
 
-def test_choices_of_one_prompt_compute_it_once():
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_choices_of_one_prompt_compute_it_once(prefix_caching):
     """n choices arrive together: the later ones wait until the first's prompt is cached (over several chunks),
-    then compute only its partial last block, sharing every full block; a cancelled first choice frees them."""
-    s = make(prefill=8)
+    then compute only its partial last block, sharing every full block of the first's table (with or without
+    prefix caching); a cancelled first choice frees them."""
+    s = make(prefill=8, prefix_caching=prefix_caching)
     prompt = list(range(1, 15))                      # 3 full blocks and 2 tokens
     lead = Request(prompt, 3)
     others = [Request(list(prompt), 3, after=lead) for _ in range(3)]
@@ -110,6 +114,7 @@ def test_choices_of_one_prompt_compute_it_once():
     drain(s)
     assert computed[lead.id] == len(prompt)
     assert all(computed[r.id] == len(prompt) - 12 for r in others), computed  # the 2 tokens past the full blocks
+    assert s.kv.prefix_hit_blocks == 9 and s.kv.prefix_lookups == (4 if prefix_caching else 3)  # the lead looks up too
     cancelled = Request(prompt + [99], 2)
     follower = Request(prompt + [99], 2, after=cancelled)
     s.add(cancelled)
