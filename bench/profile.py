@@ -172,7 +172,7 @@ def main(model_id: str = typer.Option(DEFAULTS.model_id), dtype: str = typer.Opt
                                                      "as one lump: the split is the eager forward's)"),
          batches: str = typer.Option("1,64", help="decode batch sizes"),
          context: int = typer.Option(256, help="tokens each decoding request holds"),
-         prefill: int = typer.Option(512, help="prompt tokens of the prefill step"),
+         prefill: int = typer.Option(512, help="prompt tokens of the prefill step (0: no prefill case)"),
          steps: int = typer.Option(10, help="timed steps per case (median)"),
          json_out: Optional[Path] = typer.Option(None, "--json")):
     import torch
@@ -207,9 +207,10 @@ def main(model_id: str = typer.Option(DEFAULTS.model_id), dtype: str = typer.Opt
                                  params=Params())])
         return time.perf_counter() - t
 
-    seconds, parts = time_and_split(one_prefill, max(3, steps // 3))
-    typer.echo(report(f"prefill, {prefill} tokens", seconds, parts, prefill))
-    result["cases"][f"prefill {prefill}"] = {"seconds": seconds, "parts": parts}
+    if prefill > 0:
+        seconds, parts = time_and_split(one_prefill, max(3, steps // 3))
+        typer.echo(report(f"prefill, {prefill} tokens", seconds, parts, prefill))
+        result["cases"][f"prefill {prefill}"] = {"seconds": seconds, "parts": parts}
     if json_out:
         json_out.write_text(json.dumps(result, indent=1))
 
