@@ -18,6 +18,7 @@ from bench.workloads import Req
 class TGI:
     """TGI's /generate_stream: one event per token, the last one with `details`."""
     path = "/generate_stream"
+    chunk_is_token = True  # a stream that lost an event would count short of max_new_tokens
 
     def __init__(self, model: Optional[str] = None):
         self.model = model
@@ -39,8 +40,12 @@ class TGI:
 
 class OpenAI(TGI):
     """OpenAI's streamed /v1/completions (cb, llama.cpp's llama-server, vLLM): a chunk per token, then one with the
-    finish reason; the token count comes from `usage`. Prompts go as token ids where the workload has them."""
+    finish reason; the token count comes from `usage`. Prompts go as token ids where the workload has them. A chunk
+    is not always one token: cb sends none for a token whose text is not yet whole (a character split over byte
+    tokens), vLLM one per step (several tokens with speculation); ITL stays a gap between chunks, as vLLM's bench
+    measures it."""
     path = "/v1/completions"
+    chunk_is_token = False
 
     def body(self, req: Req) -> dict:
         out = {"prompt": req.inputs, "max_tokens": req.max_new_tokens, "ignore_eos": True, "temperature": 0,
@@ -121,6 +126,8 @@ async def one_request(client: httpx.AsyncClient, url: str, req: Req, sem: asynci
         except (httpx.HTTPError, ValueError) as e:
             rec["error"] = f"{type(e).__name__}: {e}"
         rec["e2e"] = time.perf_counter() - t0
+        if not backend.chunk_is_token and rec.get("generated_tokens") is not None:
+            rec["chunks"], rec["tokens"] = rec["tokens"], rec["generated_tokens"]
     return rec
 
 
