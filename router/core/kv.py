@@ -108,9 +108,9 @@ class KVManager:
     def lookup(self, req: Request) -> Hit:
         """Its prompt's leading cached blocks (the last token is always computed, so it is not looked up). A later
         choice of a prompt (n, best_of) takes them from its first choice's table, with or without prefix caching,
-        so the prompt is computed once either way."""
+        so the prompt is computed once either way (not on hybrid models: their window layers share nothing)."""
         hit = Hit()
-        if not req.reuse_prefix:
+        if not req.reuse_prefix or self.window is not None:
             return hit
         lead = req.after
         if lead is not None and lead.blocks and lead.computed >= len(lead.prompt_ids) == len(req.prompt_ids):

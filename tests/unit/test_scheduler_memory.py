@@ -248,6 +248,22 @@ def test_window_pool_stays_small_and_nothing_leaks():
     assert_empty(s)
 
 
+def test_choices_of_a_hybrid_model_compute_their_own_prompts():
+    """Sliding-window layers keep no prefix to share: a later choice of a prompt computes it whole (sharing the
+    full-attention blocks alone would leave its window layers without the prompt's keys)."""
+    s = make(blocks=200, block_size=4, prefill=64, window=8, window_blocks=40)
+    lead = req(14, 3)
+    other = Request(list(lead.prompt_ids), 3, after=lead)
+    s.add(lead)
+    s.add(other)
+    computed = {lead.id: 0, other.id: 0}
+    for step in drain(s):
+        for e in step.entries:
+            computed[e.request.id] += e.num_tokens if e.first or not e.decode else 0
+    assert computed == {lead.id: 14, other.id: 14} and s.kv.prefix_hit_blocks == 0
+    assert_empty(s)
+
+
 # Everything at once -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
