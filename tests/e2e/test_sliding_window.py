@@ -4,6 +4,7 @@ in their own small pool whose blocks are recycled as they slide out. Tokens must
 `generate` on each prompt alone."""
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from conftest import Reference, Server, assert_idle, metric
@@ -41,3 +42,15 @@ def test_gemma3_beyond_its_window_equals_transformers(gemma, gemma_dir):
         reference.assert_same_greedy(prompt, [t["id"] for t in answer["details"]["tokens"]], n)
     assert_idle(gemma.url)
     assert metric(gemma.url, "cb_window_blocks_free") == metric(gemma.url, "cb_window_blocks_total") == window_pool
+
+
+def test_gemma3_choices_equal_single_requests(gemma, gemma_dir):
+    """n choices of a hybrid model's prompt each compute it (its window layers share nothing), and still equal
+    single requests with their seeds."""
+    ids = Reference(gemma_dir).tokenizer(TEXT * 3)["input_ids"]
+    body = {"prompt": ids, "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    both = httpx.post(f"{gemma.url}/v1/completions", json={**body, "n": 2}, timeout=300).json()
+    singles = [httpx.post(f"{gemma.url}/v1/completions", json={**body, "seed": 5 + i}, timeout=300).json()
+               for i in range(2)]
+    assert [c["text"] for c in both["choices"]] == [s["choices"][0]["text"] for s in singles], both
+    assert_idle(gemma.url)
