@@ -9,7 +9,7 @@
 /* exp(x) for x <= 0 to float32 precision (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r), written as
  * plain arithmetic so that the compiler vectorises the loops that call it; libm's expf would not be. */
 static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
+    x = x >= -87.0f ? x : -87.0f;  /* NaN too, as the lanes' max_ps makes it: an impossible token, never a NaN sum */
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;

@@ -65,6 +65,11 @@ static inline __attribute__((always_inline)) int greedy_row(const void *x, long 
     __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(best);
     for (; i + 16 <= vocab; i += 16) acc = _mm512_add_ps(acc, exp_neg16(_mm512_sub_ps(load16_(x, i, bf16), m)));
     sum = _mm512_reduce_add_ps(acc);
+#else
+    float part[16] = {0};  /* sixteen running sums, as the lanes keep: one sum over 49k terms drifts by ~1e-4 */
+    for (; i + 16 <= vocab; i += 16)
+        for (int l = 0; l < 16; l++) part[l] += exp_neg(at_(x, i + l, bf16) - best);
+    for (int l = 0; l < 16; l++) sum += part[l];
 #endif
     for (; i < vocab; i++) sum += exp_neg(at_(x, i, bf16) - best);
     if (!(sum >= 1.0f && sum < INFINITY)) return -1;  /* a NaN in the plain loop's share of the row */

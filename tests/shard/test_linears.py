@@ -93,7 +93,8 @@ def test_quantized_weights_logits_close_and_batch_invariant(tiny_llama, mode, ki
     scored = [torch.tensor(r.step([Entry(9, prompt, list(range(8)), params=Params(), prompt_tokens=len(prompt),
                                          prefill_logprobs=True)]).prefill[0][1][1:]) for r in (plain, quant)]
     drift = (scored[0] - scored[1]).abs()  # 4 bits on random weights (no outliers to spare) move more than 8
-    assert drift.max() < (0.1 if mode == "int8" else 1.5) and drift.mean() < (0.03 if mode == "int8" else 0.4)
+    # (int8's mean: 0.030 in bf16 on a CPU without AVX-512, whose unquantized bf16 path rounds otherwise)
+    assert drift.max() < (0.1 if mode == "int8" else 1.5) and drift.mean() < (0.04 if mode == "int8" else 0.4)
     plain.clear()
     quant.clear()
     gen = torch.Generator().manual_seed(3)
