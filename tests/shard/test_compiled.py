@@ -5,7 +5,7 @@ its prompt logprobs. A step counts as compiled only when the graph ran (no guard
 import pytest
 import torch
 
-from shard import compile_sizes, linears
+from shard import compile_sizes, linears, paged_kernel
 from shard import model as model_lib
 from shard.runner import Runner
 from shard.sampling import Params
@@ -86,8 +86,10 @@ def test_bf16_compiles_with_its_linears_and_gives_the_eager_tokens(tiny_llama):
     """bf16 linears on a weight oneDNN packed at load (linears.Packed, where the CPU has bf16 arithmetic) reach
     the graph as an op inductor does not lower; there Warmup times a step of one request compiled and eager and
     keeps the faster (CompiledForward.race_single), and either way the tokens are the eager forward's."""
-    eager, compiled = runner(tiny_llama, (), "bfloat16"), runner(tiny_llama, SIZES, "bfloat16")
     packed = linears.packs_bf16()
+    if not packed and not paged_kernel.available(torch.device("cpu")):
+        pytest.skip("no bf16 arithmetic and no C attention: inductor fuses torch's bf16 attention and rounds otherwise")
+    eager, compiled = runner(tiny_llama, (), "bfloat16"), runner(tiny_llama, SIZES, "bfloat16")
     forward = compiled.compiled
     assert forward.ready and bool(forward.timings) == packed
     one_compiled = not packed or forward.timings["compiled"] <= forward.timings["eager"]
