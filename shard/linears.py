@@ -5,15 +5,15 @@ swapped for the fastest kernel this device has for the weight's mode.
   (`mkldnn._reorder_linear_weight`). `F.linear` hands oneDNN a plain weight, which it reorders on every call:
   the same kernel with the same sums (bit-identical logits), 1.3-2x faster for decode-sized batches. oneDNN
   packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 stays on `F.linear`.
-- **float32 on CPU** (`Tuned`): the weight is stored transposed ([in, out] in memory, read as [out, in]), so
-  rows @ W^T is MKL's plain product, which at 4-16 rows ran 1.3-2x faster here than on the usual layout (the
-  LM head 1.8x at 8 rows; whole decode steps 1.1-1.2x at 4-16 requests); the LM head, whose weight is the
-  embedding's, gets a transposed copy. Then the same product three ways (`F.linear`; the weight times the
-  transposed rows; rows padded to a 64-row tile of a weight MKL packed once), and for each row count the one
-  measured fastest on this machine (`Plan`; on the usual layout `F.linear` had MKL pack the weight on every
-  call, which at 12-64 rows cost more than the product; on this layout the Xeon's plans take it everywhere but
-  at 48-64 rows, where the tile wins). Every way sums in fp32 (the golden tests compare this mode with
-  transformers); a weight some row count takes as a tile keeps a packed copy beside the plain one.
+- **float32 on CPU** (`Tuned`): the same product four ways, and for each row count the one measured fastest on
+  this machine (`Plan`): `F.linear` on the weight stored transposed ([in, out] in memory, read as [out, in]: MKL's
+  plain product, 1.3-2x the usual layout at 4-16 rows on a Xeon, where `F.linear` had MKL pack the weight on every
+  call); the weight times the transposed rows; rows padded to a 64-row tile of a weight MKL packed once; oneDNN on
+  a weight it laid out once (as vLLM's CPU backend runs fp32), which on a Zen 3 without AVX-512 ran the LM head
+  2-4x and gate/up 1.2-2x MKL's speed from 4 to 512 rows. Every way sums in fp32 (the golden tests compare this
+  mode with transformers). oneDNN's is the default way, which another must beat by 10% at a row count, and a
+  weight is held only in the layouts its plan reads: where nothing beat oneDNN, in its layout alone. Compiled step
+  sizes (compiled.py) follow the plan too, through an op the graph does not look into.
 - **`--quantize int8`** (`Int8`): one scale per output channel, torch's int8-weight GEMM. Half the bytes of bf16.
 - **`--quantize int4`** (`Int4`): groups of 32 input channels share a scale and a zero point (the layout of
   llama.cpp's Q4_1), torch's int4-weight GEMM for CPU. A quarter of the bytes of bf16; from ~8 requests at a
@@ -26,10 +26,13 @@ CPU they enter the quantized GEMMs rounded to bf16, row by row: those GEMMs are 
 import bisect
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import platform
 import time
+import types
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -74,24 +77,37 @@ class Tuned(nn.Module):
 
     def __init__(self, linear: nn.Linear, plan: "Plan"):
         super().__init__()
-        self.register_buffer("weight", _transposed(linear.weight.detach()))
-        self.bias, self.plan = linear.bias, plan
-        self.packed = _pack(self.weight.contiguous()) if "tile" in plan.ways.values() else None
+        self.plan, self.bias = plan, linear.bias
+        self.out_features = linear.out_features
+        self.weight, self.packed, self.onednn = _layouts(linear.weight.detach(), set(plan.ways.values()))
+        self.key = next(_keys)
+        _tuned[self.key] = self
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N, in] -> [N, out], the way the plan says for N."""
+        if rows.shape[0] == 0:  # a prompt chunk whose rows' logits are all dropped
+            return rows.new_empty((0, self.out_features))
+        return _product(self.plan.way(rows.shape[0]), rows, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        # a graph compiled for several step sizes (compiled.py) has no row count to look up: F.linear there
-        way = "linear" if torch.compiler.is_compiling() else self.plan.way(rows.shape[0])
-        if way == "linear":
-            return nn.functional.linear(x, self.weight, self.bias)
-        y = _product(way, rows, self.weight, self.packed)
+        # a graph compiled for several step sizes (compiled.py) does not know its row count: the op looks it up
+        y = torch.ops.cb.tuned_linear(rows, self.key) if torch.compiler.is_compiling() else self.product(rows)
         y = y if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])  # not -1: a step may keep no rows
 
 
+_tuned: "weakref.WeakValueDictionary[int, Tuned]" = weakref.WeakValueDictionary()
+_keys = itertools.count()
+_library.define("tuned_linear(Tensor rows, int key) -> Tensor")
+_library.impl("tuned_linear", lambda rows, key: _tuned[key].product(rows), "CompositeExplicitAutograd")
+torch.library.register_fake("cb::tuned_linear",
+                            lambda rows, key: rows.new_empty((rows.shape[0], _tuned[key].out_features)), lib=_library)
+
 MEASURED_OUT = 16384  # output rows a plan is timed on at most (64 MiB at 1024 inputs: no cache holds it)
 TILE = 64  # rows an MKL-packed weight is laid out for: its packed GEMM takes exactly that many
-PROBES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts timed; more rows always take F.linear
+ONEDNN_ROWS = 32  # the row count oneDNN lays a weight out for (vLLM's choice; 1 ran 0.6-0.8x as fast at 8-64 rows)
+PROBES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)  # row counts timed; more take the last one's way
 
 
 def _transposed(weight: torch.Tensor) -> torch.Tensor:
@@ -103,49 +119,69 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, TILE)
 
 
-def _product(way: str, rows: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
-    """rows @ weight.T three ways: F.linear (on the transposed storage, MKL's plain product), transposed
-    (weight @ rows.T), tile (rows padded to TILE on the weight packed once, at load)."""
+def _layouts(weight: torch.Tensor, ways: set[str]) -> tuple[Optional[torch.Tensor], ...]:
+    """The [out, in] weight in the layouts `ways` read: stored transposed (F.linear, transposed, and tile beside its
+    MKL-packed copy), and oneDNN's own."""
+    plain = _transposed(weight) if ways - {"onednn"} else None
+    packed = _pack(plain.contiguous()) if "tile" in ways else None
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS) if "onednn" in ways else None
+    return plain, packed, onednn
+
+
+def _product(way: str, rows: torch.Tensor, w) -> torch.Tensor:
+    """rows @ weight.T four ways, on the layouts w holds (.weight, .packed, .onednn): F.linear (on the transposed
+    storage, MKL's plain product), transposed (weight @ rows.T), tile (rows padded to TILE on the weight MKL packed
+    once), onednn (oneDNN's GEMM on the weight it laid out once)."""
+    if way == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(rows, w.onednn, None, "none", [], "")
     if way == "transposed":
-        return torch.mm(weight, rows.t()).t().contiguous()
+        return torch.mm(w.weight, rows.t()).t().contiguous()
     if way == "tile":
         n = rows.shape[0]
         tile = nn.functional.pad(rows, (0, 0, 0, TILE - n)) if n < TILE else rows
-        return torch.ops.mkl._mkl_linear(tile, packed, weight, None, TILE)[:n]
-    return nn.functional.linear(rows, weight)
+        return torch.ops.mkl._mkl_linear(tile, w.packed, w.weight, None, TILE)[:n]
+    return nn.functional.linear(rows, w.weight)
 
 
 class Plan:
     """The way each row count takes (that of the nearest probe at or above it), timed once per weight shape and
-    machine and kept under $CB_CACHE (~2 s for SmolLM2's shapes, most of it the LM head)."""
+    machine and kept under $CB_CACHE (~10 s for SmolLM2's shapes on a 2-core Zen 3, most of it the LM head)."""
 
     def __init__(self, ways: dict[int, str]):
         self.ways = ways
         self._by_rows = [ways[p] for p in PROBES]
 
     def way(self, n: int) -> str:
-        if n > PROBES[-1]:
-            return "linear"
-        return self._by_rows[bisect.bisect_left(PROBES, n)]
+        return self._by_rows[min(bisect.bisect_left(PROBES, n), len(PROBES) - 1)]
 
     @classmethod
     def measure(cls, out_features: int, in_features: int) -> "Plan":
         # A wider weight is timed on its first MEASURED_OUT rows: beyond any cache, a product's cost per output
         # row is flat, so the ranking holds, and Gemma 3's 262k-row LM head is timed in 3 s rather than 43.
-        weight = _transposed(torch.randn(min(out_features, MEASURED_OUT), in_features))
-        packed = _pack(weight.contiguous())
-        ways = {}
+        weight = torch.randn(min(out_features, MEASURED_OUT), in_features)
+        w = types.SimpleNamespace(**dict(zip(("weight", "packed", "onednn"),
+                                             _layouts(weight, {"tile"} | ({"onednn"} if onednn() else set())))))
+        timed = {}
         for n in PROBES:
             rows = torch.randn(n, in_features)
-            candidates = ["linear", "transposed"] + (["tile"] if n <= TILE else [])
-            best = {way: _fastest(lambda: _product(way, rows, weight, packed)) for way in candidates}
+            candidates = ["linear", "transposed"] + (["tile"] if n <= TILE else []) + (["onednn"] if onednn() else [])
+            timed[n] = {way: _fastest(lambda: _product(way, rows, w)) for way in candidates}
+        # oneDNN's layout, where it has one, is the default that another way must beat clearly (not by noise): a
+        # weight whose plan reads one layout is held once
+        default = "onednn" if onednn() else "linear"
+        ways = {}
+        for n, best in timed.items():
             pick = min(best, key=best.get)
-            ways[n] = pick if best[pick] < 0.9 * best["linear"] else "linear"  # a clear win, not noise
+            ways[n] = pick if best[pick] < 0.9 * best[default] else default
         return cls(ways)
 
 
-def _fastest(call, repeats: int = 5) -> float:
+def _fastest(call) -> float:
+    """The best of ~20 ms of timings (3 to 50 of them): at one row a product takes tens of microseconds, where one
+    interruption decides a ranking; the LM head's at 512 rows, 100 ms."""
+    start = time.perf_counter()
     call()
+    repeats = max(3, min(50, int(0.02 / max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -179,9 +215,14 @@ _plans: dict[str, Plan] = {}
 def _plan_file() -> Path:
     """One file per machine, torch and thread count: the timings hold for nothing else."""
     machine = " ".join([platform.processor(), platform.machine(), *sorted(cpu.flags()), torch.__version__,
-                        str(torch.get_num_threads()), ",".join(map(str, PROBES)), "stored transposed"])
+                        str(torch.get_num_threads()), ",".join(map(str, PROBES)), "stored transposed",
+                        f"onednn {ONEDNN_ROWS}"])
     name = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return cpu.cache_dir("linears") / f"plans-{name}.json"
+
+
+def onednn() -> bool:
+    return torch.backends.mkldnn.is_available()
 
 
 def tunes_f32() -> bool:

@@ -1,6 +1,6 @@
 """The linear kernels (shard/linears.py) on a shard's Runner in-process (a small random Llama): bf16 on its packed
 weights gives exactly F.linear's numbers; fp32 takes, per row count, the way timed fastest, each equal to F.linear
-to rounding; --quantize int8 and int4 really hold their weights quantized (in bf16 and fp32 models), the logits
+to rounding, and holds its weight only in the layouts its plan reads; --quantize int8 and int4 really hold their weights quantized (in bf16 and fp32 models), the logits
 stay close to the unquantized model's, and a request's greedy tokens do not depend on what shares its batch."""
 import pytest
 import torch
@@ -46,18 +46,31 @@ def test_tuned_fp32_ways_equal_f_linear_and_the_timings_are_kept(tmp_path, monke
     tuned = linears.kernel_for(plain, None, torch.device("cpu"), head=False)
     assert isinstance(tuned, linears.Tuned) and set(tuned.plan.ways) == set(linears.PROBES)
     measured = dict(tuned.plan.ways)
-    tuned.packed = linears._pack(plain.weight.detach())
-    for way in ("linear", "transposed", "tile"):
+    tuned.weight, tuned.packed, tuned.onednn = linears._layouts(plain.weight.detach(), {"tile", "onednn"})
+    for way in ("linear", "transposed", "tile", "onednn"):
         tuned.plan = linears.Plan({n: way for n in linears.PROBES})
         for rows in (0, 1, 5, 16, 33, 64):  # 0: a prompt chunk whose rows' logits are all dropped
             x = torch.randn(rows, 128)
             torch.testing.assert_close(tuned(x), plain(x), rtol=1e-5, atol=1e-5)
     plan = linears.Plan({n: "tile" if n == 64 else "transposed" for n in linears.PROBES})
     assert plan.way(49) == plan.way(64) == "tile" and plan.way(48) == "transposed"
-    assert plan.way(linears.PROBES[-1] + 1) == "linear", "beyond the probes: F.linear"
+    plan = linears.Plan({n: "onednn" if n == linears.PROBES[-1] else "linear" for n in linears.PROBES})
+    assert plan.way(linears.PROBES[-1] + 1000) == "onednn", "beyond the probes: the last one's way"
     monkeypatch.setattr(linears, "_plans", {})  # a new process: the plan comes from disk, nothing is timed
     monkeypatch.setattr(linears.Plan, "measure", classmethod(lambda cls, o, i: pytest.fail("timed twice")))
     assert linears.plan_for(384, 128).ways == measured
+
+
+def test_tuned_holds_only_the_layouts_its_plan_reads():
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 96, bias=False)
+    x = torch.randn(5, 64)
+    for ways, held in ((("onednn",), ("onednn",)), (("linear", "tile"), ("weight", "packed")),
+                       (("transposed", "onednn"), ("weight", "onednn"))):
+        plan = linears.Plan({n: ways[i % len(ways)] for i, n in enumerate(linears.PROBES)})
+        tuned = linears.Tuned(plain, plan)
+        assert {name for name in ("weight", "packed", "onednn") if getattr(tuned, name) is not None} == set(held)
+        torch.testing.assert_close(tuned(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_wider_than_the_timed_rows_share_one_plan(tmp_path, monkeypatch):
