@@ -73,6 +73,22 @@ def test_tuned_holds_only_the_layouts_its_plan_reads():
         torch.testing.assert_close(tuned(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_plan_reads_a_second_layout_only_where_it_saves_ten_percent():
+    def timed(onednn_times, linear_times):
+        return {n: {"onednn": o, "linear": l, "transposed": 2 * l} for n, o, l in
+                zip(linears.PROBES, onednn_times, linear_times)}
+    half = len(linears.PROBES) // 2
+    ones = [1.0] * len(linears.PROBES)
+    # oneDNN 5% slower at one row count, 2x faster at the rest: oneDNN alone
+    plan = linears._choose(timed(ones, [0.95] + [2.0] * (len(ones) - 1)))
+    assert set(plan.values()) == {"onednn"}
+    # MKL 2x faster everywhere: the plain layout alone (transposed never beats linear here)
+    assert set(linears._choose(timed(ones, [0.5] * len(ones))).values()) == {"linear"}
+    # each 2x faster at half of the row counts: both layouts, each where it wins
+    plan = linears._choose(timed(ones, [0.5] * half + [2.0] * (len(ones) - half)))
+    assert [plan[n] for n in linears.PROBES] == ["linear"] * half + ["onednn"] * (len(ones) - half)
+
+
 def test_weights_wider_than_the_timed_rows_share_one_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("CB_CACHE", str(tmp_path))
     monkeypatch.setattr(linears, "_plans", {})
