@@ -13,8 +13,8 @@ swapped for the fastest kernel this device has for the weight's mode.
   2-4x and gate/up 1.2-2x MKL's speed from 4 to 512 rows. Every way sums in fp32 (the golden tests compare this
   mode with transformers). A weight is held only in the layouts its plan reads, and a plan reads both oneDNN's
   and the plain one only where that is 10% faster over the row counts than either alone (on the Zen 3 the down
-  projection alone: a shard held 1,824 MB, 2,244 with each row count's pick, 1,847 before oneDNN). Compiled step sizes (compiled.py)
-  follow the plan too, through an op the graph does not look into.
+  projection alone: a shard held 1,824 MB, 2,244 with each row count's pick, 1,847 before oneDNN). Compiled step
+  sizes (compiled.py) follow the plan too, through an op the graph does not look into.
 - **`--quantize int8`** (`Int8`): one scale per output channel, torch's int8-weight GEMM. Half the bytes of bf16.
 - **`--quantize int4`** (`Int4`): groups of 32 input channels share a scale and a zero point (the layout of
   llama.cpp's Q4_1), torch's int4-weight GEMM for CPU. A quarter of the bytes of bf16; from ~8 requests at a

@@ -1,7 +1,8 @@
 """The linear kernels (shard/linears.py) on a shard's Runner in-process (a small random Llama): bf16 on its packed
 weights gives exactly F.linear's numbers; fp32 takes, per row count, the way timed fastest, each equal to F.linear
-to rounding, and holds its weight only in the layouts its plan reads; --quantize int8 and int4 really hold their weights quantized (in bf16 and fp32 models), the logits
-stay close to the unquantized model's, and a request's greedy tokens do not depend on what shares its batch."""
+to rounding, and holds its weight only in the layouts its plan reads; --quantize int8 and int4 really hold their
+weights quantized (in bf16 and fp32 models), the logits stay close to the unquantized model's, and a request's
+greedy tokens do not depend on what shares its batch."""
 import pytest
 import torch
 from torch import nn
