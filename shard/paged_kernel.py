@@ -29,7 +29,7 @@ from shard import cpu
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / "paged_decode.c", KERNELS / "paged_prefill.c", KERNELS / "greedy.c"]
-HEADERS = [KERNELS / "exp.h", KERNELS / "paged.h"]
+HEADERS = [KERNELS / "exp.h", KERNELS / "paged.h", KERNELS / "vec.h"]
 SYMBOLS = ("paged_decode", "paged_prefill", "greedy_rows")  # each returns int: 0 done, else declined
 DTYPES = (torch.float32, torch.bfloat16)  # the caches it reads
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]

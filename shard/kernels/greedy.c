@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) int greedy_row(const void *x, long 
     i = 0;
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(best);
-    for (; i + 16 <= vocab; i += 16) acc = _mm512_add_ps(acc, exp_neg16(_mm512_sub_ps(load16_(x, i, bf16), m)));
+    for (; i + 16 <= vocab; i += 16) acc = _mm512_add_ps(acc, v_exp(_mm512_sub_ps(load16_(x, i, bf16), m)));
     sum = _mm512_reduce_add_ps(acc);
 #else
     float part[16] = {0};  /* sixteen running sums, as the lanes keep: one sum over 49k terms drifts by ~1e-4 */

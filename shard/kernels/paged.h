@@ -1,11 +1,11 @@
-/* What the paged attention kernels share (paged_decode.c, paged_prefill.c): bfloat16 conversions; on AVX-512
- * sixteen elements widened to float32; the walk through a request's block table; and one float vector of the
- * machine's width (VW lanes: 16 with AVX-512, 8 with AVX2 and FMA) with the few operations paged_prefill.c needs,
- * so that its one algorithm runs on either. */
+/* What the paged attention kernels share (paged_decode.c, paged_prefill.c): bfloat16 conversions, a row's VW
+ * elements widened to float32 (vec.h's lanes), and the walk through a request's block table. */
 #ifndef CB_PAGED_H
 #define CB_PAGED_H
 #include <stdint.h>
 #include <string.h>
+
+#include "vec.h"
 
 static inline float from_bf16(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -21,11 +21,6 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch do
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define CB_VECTOR 1
-#include <immintrin.h>
-#endif
-
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) __m512 load16(const char *base, long i, int bf16) {
     if (bf16) {
@@ -34,46 +29,8 @@ static inline __attribute__((always_inline)) __m512 load16(const char *base, lon
     }
     return _mm512_loadu_ps((const float *)base + i);
 }
-
-#define VW 16
-typedef __m512 vec;
-#define v_load _mm512_loadu_ps
-#define v_store _mm512_storeu_ps
-#define v_zero _mm512_setzero_ps
-#define v_set1 _mm512_set1_ps
-#define v_fma _mm512_fmadd_ps
-#define v_max _mm512_max_ps
-#define v_sub _mm512_sub_ps
-#define v_add _mm512_add_ps
-#define v_hmax _mm512_reduce_max_ps
-#define v_hsum _mm512_reduce_add_ps
 #define v_row load16
-#define v_exp exp_neg16
 #elif defined(CB_VECTOR)
-#define VW 8
-typedef __m256 vec;
-#define v_load _mm256_loadu_ps
-#define v_store _mm256_storeu_ps
-#define v_zero _mm256_setzero_ps
-#define v_set1 _mm256_set1_ps
-#define v_fma _mm256_fmadd_ps
-#define v_max _mm256_max_ps
-#define v_sub _mm256_sub_ps
-#define v_add _mm256_add_ps
-#define v_exp exp_neg8
-
-static inline float v_hmax(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float v_hsum(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* eight elements i.. of a row, widened to float32 where bf16 */
 static inline __attribute__((always_inline)) __m256 v_row(const char *base, long i, int bf16) {
     if (bf16) {

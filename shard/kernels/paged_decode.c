@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[g])), sum = _mm512_setzero_ps();
         for (long i = 0; i < n; i += 16) {
             __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-            __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + i), m));
+            __m512 e = v_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + i), m));
             e = _mm512_maskz_mov_ps(live, e);
             sum = _mm512_add_ps(sum, e);
             _mm512_mask_storeu_ps(sg + i, live, e);

@@ -7,7 +7,7 @@
  * head. Its keys and values are widened to float32 once (keys transposed, so that eight rows score sixteen keys
  * with one vector load and eight broadcast FMAs per dimension), scores and softmax are float32, and each row
  * stops at its own last key (and starts at its window's first). Caches, queries and outputs are laid out as in
- * paged_decode.c. Written once in paged.h's vectors: sixteen lanes with AVX-512, eight with AVX2 and FMA (on a
+ * paged_decode.c. Written once in vec.h's vectors: sixteen lanes with AVX-512, eight with AVX2 and FMA (on a
  * 2-core Zen 3 without AVX-512, SmolLM2's heads, a layer's 512-token chunk took 5.7 ms against the torch path's
  * 9.5, 2,048 tokens 82 against 134); without either it declines and the torch path runs.
  */
